@@ -1,0 +1,139 @@
+"""A metrics recorder: rows in memory, mirrored line by line to ``runs/<name>/metrics.jsonl``.
+
+Every row has a ``kind`` (``"step"``, ``"busy"``, ``"eval"``, ``"sync"``, …) and a time ``t`` in
+seconds since the recorder started. The toy ring and the LLM ring both write here; the plots in
+:mod:`grpo_nb.live` and :mod:`grpo_nb.dashboard` only read rows, so a finished run re-plots from
+its JSONL file exactly as it looked live::
+
+    actors ──log()──► MetricsRecorder ──► metrics.jsonl
+                            │
+                            └──rows()──► live plots / dashboard / load_run()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from grpo_nb.config import runs_dir
+
+
+def _jsonable(value: Any) -> Any:
+    """Turn tensors / numpy scalars into plain numbers; NaN and inf become None (valid JSON)."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
+class MetricsRecorder:
+    """Collects metric rows; writes each to ``run_dir/metrics.jsonl`` when a folder is given.
+
+    Args:
+        run_dir: folder for the JSONL file (created). ``None`` keeps rows in memory only.
+        append: keep an existing ``metrics.jsonl`` (resuming a run) instead of starting afresh.
+    """
+
+    def __init__(self, run_dir: Path | str | None = None, *, append: bool = False) -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self._rows: list[dict[str, Any]] = []
+        self._t0 = time.perf_counter()
+        self._file = None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            path = self.run_dir / "metrics.jsonl"
+            if append and path.exists():
+                self._rows = _read_jsonl(path)
+                # Keep time monotonic across a resume: continue after the last row's time.
+                last_t = max((r.get("t", 0.0) or 0.0 for r in self._rows), default=0.0)
+                self._t0 -= last_t
+            self._file = path.open("a" if append else "w", encoding="utf-8")
+
+    @classmethod
+    def for_run(cls, name: str, *, append: bool = False) -> MetricsRecorder:
+        """A recorder writing to ``runs/<name>/`` (see :func:`grpo_nb.config.runs_dir`)."""
+        return cls(runs_dir() / name, append=append)
+
+    def now(self) -> float:
+        """Seconds since this recorder started (the ``t`` of a row logged now)."""
+        return time.perf_counter() - self._t0
+
+    def log(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Record one row of ``kind``; ``t`` defaults to now. Returns the stored row."""
+        row = {"kind": kind, "t": fields.pop("t", None)}
+        if row["t"] is None:
+            row["t"] = self.now()
+        row.update({k: _jsonable(v) for k, v in fields.items()})
+        self._rows.append(row)
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        return row
+
+    @contextlib.contextmanager
+    def busy(self, actor: str, label: str = "") -> Iterator[None]:
+        """Record the interval an actor spends inside the ``with`` block (for timelines)."""
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.log("busy", actor=actor, label=label, start=start, end=self.now())
+
+    def rows(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """All rows, or those of one kind, in the order they were logged."""
+        if kind is None:
+            return list(self._rows)
+        return [r for r in self._rows if r["kind"] == kind]
+
+    def series(self, kind: str, key: str) -> list[Any]:
+        """The values of ``key`` over the rows of ``kind`` that have it."""
+        return [r[key] for r in self._rows if r["kind"] == kind and key in r]
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                # A run killed mid-write leaves a torn last line; anything else is corruption.
+                if fh.readline() == "":
+                    break
+                raise ValueError(f"{path}:{line_no}: not JSON ({err})") from err
+    return rows
+
+
+def load_metrics(run_dir: Path | str) -> MetricsRecorder:
+    """Read a finished (or interrupted) run's ``metrics.jsonl`` into an in-memory recorder."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: is this a run folder?")
+    rec = MetricsRecorder(None)
+    rec._rows = _read_jsonl(path)
+    rec.run_dir = Path(run_dir)
+    return rec
