@@ -52,7 +52,7 @@ doctor: setup
 lab: setup
 	$(BIN)/python -m grpo_nb doctor || true
 	$(BIN)/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) \
-	  --ServerApp.root_dir=notebooks
+	  --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True)
 
 lint: setup
 	$(BIN)/ruff check grpo_nb tests benchmarks notebooks
