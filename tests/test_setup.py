@@ -89,7 +89,8 @@ def test_committed_notebooks_carry_no_outputs() -> None:
     for path in notebooks:
         nb = json.loads(path.read_text())
         dirty = [
-            i for i, cell in enumerate(nb["cells"])
+            i
+            for i, cell in enumerate(nb["cells"])
             if cell["cell_type"] == "code" and (cell.get("outputs") or cell.get("execution_count"))
         ]
         assert not dirty, f"{path.name}: cells {dirty} carry outputs (run nbstripout)"
@@ -104,7 +105,9 @@ def test_every_notebook_starts_with_intro_and_doctor() -> None:
         assert "learn" in text and "time" in text, f"{path.name}: say what you learn and how long"
         code = next(c for c in nb["cells"] if c["cell_type"] == "code")
         number = path.name[:2]
-        assert f'check("{number}")' in "".join(code["source"]), f"{path.name}: first cell runs doctor"
+        assert f'check("{number}")' in "".join(code["source"]), (
+            f"{path.name}: first cell runs doctor"
+        )
 
 
 def test_doctor_reports_and_judges() -> None:
@@ -113,8 +116,13 @@ def test_doctor_reports_and_judges() -> None:
     assert set(report.verdicts) == set(doctor.NOTEBOOK_NEEDS)
     # The toy notebooks need only the core stack, which this environment has.
     assert report.verdicts["01"] == []
-    out = subprocess.run([sys.executable, "-m", "grpo_nb", "doctor"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ})
+    out = subprocess.run(
+        [sys.executable, "-m", "grpo_nb", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert "notebook 05" in out.stdout
     assert out.returncode == (0 if not report.problems() else 1)
 
@@ -128,4 +136,3 @@ def test_doctor_flags_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="notebook 05 .* cannot run: vllm missing"):
         doctor.check("05")
     assert doctor.cli(["--notebook", "04"]) == 1
-
