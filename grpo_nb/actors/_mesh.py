@@ -1,0 +1,369 @@
+"""Actors, endpoints and meshes on one asyncio loop, with Monarch's rules.
+
+::
+
+    this_host().spawn_procs(per_host={"gpus": 4})      ProcMesh  (4 "processes": labels only)
+        └─ .spawn("gen", Generator, port)              ActorMesh (4 actors, each its own copy
+                                                                  of the constructor arguments)
+    mesh.endpoint.call(x) ──► mailbox of each actor ──► one message at a time ──► Future[ValueMesh]
+                 .call_one / .choose / .broadcast       (concurrent_endpoint: runs as a task)
+    mesh.stop() ──► cancel the running message ──► fail the queued ones ──► __cleanup__(None)
+
+Rules mirrored from torchmonarch (so that code written here runs there):
+- an actor handles one message at a time; ``@concurrent_endpoint`` opts a method out;
+- an actor's endpoints are all ``async def`` or all ``def`` (and ``__cleanup__`` matches);
+- endpoint names may not shadow mesh attributes such as ``stop``;
+- ``call_one`` on a mesh of several actors is an error;
+- an exception inside an endpoint reaches the caller as :class:`ActorError` with the remote
+  traceback; one in a fire-and-forget message (``broadcast``/``send`` without a port) is
+  logged and kept in :func:`unhandled_errors`, never swallowed;
+- arguments and results are copied (see :mod:`grpo_nb.actors._core`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from grpo_nb.actors._core import (
+    ActorError,
+    Future,
+    Handle,
+    Point,
+    ValueMesh,
+    _current_point,
+    home_loop,
+    transfer,
+)
+from grpo_nb.actors._ports import Port
+
+log = logging.getLogger("grpo_nb.actors")
+_unhandled: list[ActorError] = []
+
+Selection = Literal["all", "choose"]
+_MESH_ATTRS = frozenset({"stop", "slice", "size", "extent", "initialized", "flatten", "split", "rename"})
+
+
+def unhandled_errors() -> list[ActorError]:
+    """Errors raised by fire-and-forget messages so far (each was also logged)."""
+    return list(_unhandled)
+
+
+class _EndpointDef:
+    """What ``@endpoint`` leaves on the class: the function plus how it is scheduled."""
+
+    def __init__(self, fn: Callable[..., Any], concurrent: bool) -> None:
+        self.fn = fn
+        self.concurrent = concurrent
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.__doc__ = fn.__doc__
+        self.__name__ = fn.__name__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        # Inside the actor, ``self.method(...)`` is a plain method call (no message).
+        return self if obj is None else self.fn.__get__(obj, owner)
+
+
+def endpoint(fn: Callable[..., Any] | None = None, **_options: Any) -> Any:
+    """Mark an actor method as callable through meshes (``@endpoint`` or ``@endpoint(...)``)."""
+    if fn is None:
+        return lambda f: _EndpointDef(f, concurrent=False)
+    return _EndpointDef(fn, concurrent=False)
+
+
+def concurrent_endpoint(fn: Callable[..., Any] | None = None, **_options: Any) -> Any:
+    """Like :func:`endpoint`, but each message runs as its own task, so the actor can take
+    the next message while this one awaits. It must be ``async def``."""
+
+    def wrap(f: Callable[..., Any]) -> _EndpointDef:
+        if not inspect.iscoroutinefunction(f):
+            raise TypeError(f"@concurrent_endpoint needs an async def, got {f.__qualname__}")
+        return _EndpointDef(f, concurrent=True)
+
+    return wrap if fn is None else wrap(fn)
+
+
+class Actor:
+    """Base class of actors. Define endpoints with ``@endpoint``; optionally
+    ``async def __cleanup__(self, exc)`` to release what the actor owns when it stops."""
+
+
+def _endpoints_of(cls: type) -> dict[str, _EndpointDef]:
+    found: dict[str, _EndpointDef] = {}
+    for klass in reversed(cls.__mro__):
+        for name, value in vars(klass).items():
+            if isinstance(value, _EndpointDef):
+                found[name] = value
+    return found
+
+
+def _check_actor_class(cls: type) -> dict[str, _EndpointDef]:
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise TypeError(f"{cls!r} is not a subclass of grpo_nb.actors.Actor")
+    eps = _endpoints_of(cls)
+    if clash := sorted(set(eps) & _MESH_ATTRS):
+        raise ValueError(f"{cls.__name__}: endpoint names {clash} shadow ActorMesh attributes")
+    kinds = {ep.is_async for ep in eps.values()}
+    if len(kinds) > 1:
+        sync = sorted(n for n, ep in eps.items() if not ep.is_async)
+        raise ValueError(f"{cls.__name__} mixes async and sync endpoints (sync: {sync})")
+    cleanup = getattr(cls, "__cleanup__", None)
+    if cleanup is not None and kinds == {True} and not inspect.iscoroutinefunction(cleanup):
+        raise ValueError(f"{cls.__name__} has async endpoints but a synchronous __cleanup__")
+    return eps
+
+
+@dataclass
+class _Message:
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    reply: asyncio.Future[Any] | None  # None: fire-and-forget (errors are reported)
+    port: Port[Any] | None = None  # send(..., port=p): the result goes there
+
+
+class _Cell:
+    """One actor: its instance, its mailbox and the task that drains it."""
+
+    def __init__(self, cls: type, name: str, point: Point, args: tuple, kwargs: dict) -> None:
+        self.cls, self.name, self.point = cls, name, point
+        self.endpoints = _endpoints_of(cls)
+        self.mailbox: asyncio.Queue[_Message] = asyncio.Queue()
+        self.current: _Message | None = None
+        self.side_tasks: set[asyncio.Task[Any]] = set()
+        self.stopped = False
+        self.instance: Any = None
+        self.init_error: BaseException | None = None
+        self.task = home_loop().create_task(self._main(args, kwargs), name=f"actor:{name}[{point.rank}]")
+
+    async def _main(self, args: tuple, kwargs: dict) -> None:
+        token = _current_point.set(self.point)
+        try:
+            self.instance = self.cls(*args, **kwargs)
+        except Exception as err:  # reported on every call, like a failed remote spawn
+            self.init_error = err
+        finally:
+            _current_point.reset(token)
+        while True:
+            msg = await self.mailbox.get()
+            if self.init_error is not None:
+                self._deliver(msg, None, ActorError(self.init_error, f"{self.name}.__init__ failed."))
+            elif self.endpoints[msg.method].concurrent:
+                task = asyncio.create_task(self._handle(msg))
+                self.side_tasks.add(task)
+                task.add_done_callback(self.side_tasks.discard)
+            else:
+                self.current = msg
+                await self._handle(msg)
+                self.current = None
+
+    async def _handle(self, msg: _Message) -> None:
+        token = _current_point.set(self.point)
+        try:
+            out = getattr(self.instance, msg.method)(*msg.args, **msg.kwargs)
+            if inspect.isawaitable(out):
+                out = await out
+        except asyncio.CancelledError:
+            self._deliver(msg, None, ActorError(asyncio.CancelledError(), f"{self.name}.{msg.method} was cancelled (actor stopped)."))
+            raise
+        except Exception as err:
+            self._deliver(msg, None, ActorError(err, f"Actor call {self.name}.{msg.method} failed."))
+        else:
+            self._deliver(msg, out, None)
+        finally:
+            _current_point.reset(token)
+
+    def _deliver(self, msg: _Message, value: Any, error: ActorError | None) -> None:
+        if msg.port is not None:
+            if error is None:
+                msg.port.send(value)
+            else:
+                msg.port.exception(error)
+        elif msg.reply is not None:
+            if msg.reply.done():
+                return
+            if error is None:
+                try:
+                    msg.reply.set_result(transfer(value))
+                except Exception as err:  # an unpicklable result is the endpoint's failure
+                    msg.reply.set_exception(ActorError(err, f"{self.name}.{msg.method}: result cannot be sent"))
+            else:
+                msg.reply.set_exception(error)
+        elif error is not None and not isinstance(error.exception, asyncio.CancelledError):
+            _unhandled.append(error)
+            log.error("unhandled error in fire-and-forget %s.%s\n%s", self.name, msg.method, error)
+
+    def post(self, msg: _Message) -> None:
+        if self.stopped:
+            self._deliver(msg, None, ActorError(RuntimeError(f"actor {self.name} is stopped")))
+        else:
+            self.mailbox.put_nowait(msg)
+
+    async def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        running = [self.task, *self.side_tasks]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        # The message that was running has already answered "cancelled" from _handle.
+        while not self.mailbox.empty():
+            msg = self.mailbox.get_nowait()
+            self._deliver(msg, None, ActorError(RuntimeError(f"actor {self.name} stopped before handling {msg.method}")))
+        cleanup = getattr(self.instance, "__cleanup__", None)
+        if cleanup is not None:
+            token = _current_point.set(self.point)
+            try:
+                out = cleanup(None)
+                if inspect.isawaitable(out):
+                    await out
+            except Exception as err:
+                _unhandled.append(ActorError(err, f"{self.name}.__cleanup__ failed."))
+                log.error("%s.__cleanup__ failed", self.name, exc_info=err)
+            finally:
+                _current_point.reset(token)
+
+
+class MeshEndpoint(Handle):
+    """``mesh.method``: the ways to send one endpoint's message to the actors of a mesh."""
+
+    def __init__(self, mesh: ActorMesh, name: str) -> None:
+        self._mesh, self._name = mesh, name
+
+    def _post(self, cells: list[_Cell], args: tuple, kwargs: dict, want_reply: bool, port: Port | None = None) -> list[asyncio.Future[Any]]:
+        loop = home_loop()
+        replies = []
+        for cell in cells:
+            reply = loop.create_future() if want_reply else None
+            # Each receiver gets its own copy, as each process would unpickle its own.
+            cell.post(_Message(self._name, transfer(args), transfer(kwargs), reply, port))
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
+        """Send to every actor; the future holds one value per actor."""
+        replies = self._post(self._mesh._cells, args, kwargs, True)
+
+        async def gather() -> ValueMesh[Any]:
+            return ValueMesh(list(await asyncio.gather(*replies)), self._mesh.extent)
+
+        return Future(gather)
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Send to the mesh's only actor (an error on a mesh of several)."""
+        if len(self._mesh._cells) != 1:
+            raise ValueError(f"call_one requires exactly 1 actor, but mesh has {len(self._mesh._cells)}")
+        (reply,) = self._post(self._mesh._cells, args, kwargs, True)
+        return Future(lambda: reply)
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Send to one actor picked at random (load balancing); the future holds its value."""
+        (reply,) = self._post([random.choice(self._mesh._cells)], args, kwargs, True)
+        return Future(lambda: reply)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Send to every actor and do not wait; failures are logged, not returned."""
+        self._post(self._mesh._cells, args, kwargs, False)
+
+    def _send(self, args: tuple, kwargs: dict, port: Port | None, selection: Selection) -> None:
+        if selection not in ("all", "choose"):
+            raise ValueError(f"selection must be 'all' or 'choose', got {selection!r}")
+        cells = self._mesh._cells if selection == "all" else [random.choice(self._mesh._cells)]
+        self._post(cells, args, kwargs, False, port)
+
+
+def send(endpoint: MeshEndpoint, args: tuple, kwargs: dict, port: Port | None = None, selection: Selection = "all") -> None:
+    """Fire-and-forget: ``selection="all"`` sends to every actor of the endpoint's mesh,
+    ``"choose"`` to one at random. With ``port``, each result (or error) is sent there."""
+    endpoint._send(tuple(args), dict(kwargs), port, selection)
+
+
+class ActorMesh(Handle):
+    """A group of actors of one class, one per process of a :class:`ProcMesh`."""
+
+    def __init__(self, name: str, cls: type, cells: list[_Cell], extent: Mapping[str, int]) -> None:
+        self._name, self._class, self._cells, self.extent = name, cls, cells, dict(extent)
+        self._endpoint_names = set(_endpoints_of(cls))
+
+    def __getattr__(self, name: str) -> MeshEndpoint:
+        if name.startswith("_") or name not in self._endpoint_names:
+            raise AttributeError(f"{self._class.__name__} has no endpoint {name!r}")
+        return MeshEndpoint(self, name)
+
+    @property
+    def size(self) -> int:
+        return len(self._cells)
+
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Stop every actor: cancel its running message, fail queued ones, run ``__cleanup__``."""
+        cells = list(self._cells)
+
+        async def stop_all() -> None:
+            await asyncio.gather(*(c.stop() for c in cells))
+
+        fut: Future[None] = Future(stop_all)
+        fut._ensure()  # stopping starts now, awaited or not
+        return fut
+
+    def __repr__(self) -> str:
+        return f"ActorMesh({self._name!r}, {self._class.__name__}, {self.extent})"
+
+
+class ProcMesh(Handle):
+    """Stands for a group of processes. Here they are labels: every actor lives on one loop."""
+
+    def __init__(self, extent: Mapping[str, int]) -> None:
+        self.extent = dict(extent)
+        self._meshes: list[ActorMesh] = []
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.extent.values())
+
+    def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
+        """One ``cls`` actor per process; each constructor gets its own copy of the arguments."""
+        _check_actor_class(cls)
+        cells = [
+            _Cell(cls, name, Point(rank, self.extent), transfer(args), transfer(kwargs))
+            for rank in range(self.size)
+        ]
+        mesh = ActorMesh(name, cls, cells, self.extent)
+        self._meshes.append(mesh)
+        return mesh
+
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        meshes = list(self._meshes)
+
+        async def stop_all() -> None:
+            await asyncio.gather(*(m.stop(reason) for m in meshes))
+
+        fut: Future[None] = Future(stop_all)
+        fut._ensure()
+        return fut
+
+
+class HostMesh:
+    """This machine. ``spawn_procs(per_host={"gpus": 4})``: the label is only a name on CPU."""
+
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, name: str = "procs") -> ProcMesh:
+        extent = dict(per_host or {"procs": 1})
+        if any(int(n) < 1 for n in extent.values()):
+            raise ValueError(f"per_host sizes must be >= 1, got {extent}")
+        return ProcMesh(extent)
+
+
+def this_host() -> HostMesh:
+    return HostMesh()
+
+
+def this_proc() -> ProcMesh:
+    """A one-process mesh standing for the caller's own process."""
+    return ProcMesh({})

@@ -1,0 +1,220 @@
+"""An async client for vLLM's ``/v1/completions``: token ids in, token ids and log-probs out.
+
+Rollouts need the *exact* tokens the sampler produced and their log-probabilities (GRPO's
+importance ratio divides by them), so the client sends token-id prompts and asks vLLM for
+``return_token_ids`` and ``logprobs``. It never loses a request quietly::
+
+    complete(prompt_ids) ──► semaphore (≤ max_in_flight) ──► aiohttp POST /v1/completions
+                                                               │
+         connection error ──► retry with backoff (≤ retries) ─┤
+         timeout / 4xx / 5xx / empty ──► counted in ClientStats, raised as CompletionError
+         ok ──► Completion(token_ids, logprobs, text, finish_reason)  (counted too)
+
+Every outcome lands in :class:`ClientStats` (and, when a recorder is given, as a
+``kind="request"`` or ``kind="client_error"`` metrics row).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+from grpo_nb.metrics import MetricsRecorder
+
+
+class CompletionError(RuntimeError):
+    """A request that failed for good. ``kind`` names the counter it was added to."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.status = kind, status
+
+
+@dataclass
+class ClientStats:
+    """Counters of every request outcome. ``failed`` = requests that raised."""
+
+    requests: int = 0
+    ok: int = 0
+    failed: int = 0
+    retries: int = 0
+    connection_errors: int = 0
+    timeouts: int = 0
+    http_4xx: int = 0
+    http_5xx: int = 0
+    empty: int = 0  # finished with no token at all: raised
+    empty_text: int = 0  # only special tokens (e.g. <eos> first): kept, counted
+    groups_dropped: int = 0  # groups given up because a sample failed (rollouts.iter_groups)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    errors: list[str] = field(default_factory=list)  # last few messages, newest last
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Completion:
+    """One sampled completion, aligned token by token with its log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+    latency_s: float
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass
+class ClientConfig:
+    """Client limits. ``retries`` applies to connection errors only (not to HTTP errors)."""
+
+    max_in_flight: int = 32
+    timeout_s: float = 120.0
+    retries: int = 3
+    backoff_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise ValueError(f"ClientConfig.max_in_flight={self.max_in_flight}: must be ≥ 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"ClientConfig.timeout_s={self.timeout_s}: must be > 0")
+        if self.retries < 0:
+            raise ValueError(f"ClientConfig.retries={self.retries}: must be ≥ 0")
+
+    @classmethod
+    def smoke(cls) -> ClientConfig:
+        return cls(max_in_flight=16, timeout_s=60.0)
+
+
+class CompletionsClient:
+    """Async client bound to one server and model. Use ``async with`` or call ``close()``.
+
+    Args:
+        base_url: ``http://host:port/v1`` (``VLLMServer.base_url``).
+        model: the served model name (``VLLMServer.model_name``).
+        cfg: limits; ``recorder``: optional metrics sink.
+    """
+
+    def __init__(self, base_url: str, model: str, cfg: ClientConfig | None = None, *,
+                 api_key: str | None = None, recorder: MetricsRecorder | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.cfg = cfg or ClientConfig()
+        self.api_key = api_key
+        self.recorder = recorder
+        self.stats = ClientStats()
+        self._sem = asyncio.Semaphore(self.cfg.max_in_flight)
+        self._session: aiohttp.ClientSession | None = None
+        self.in_flight = 0
+
+    @classmethod
+    def for_server(cls, server: Any, cfg: ClientConfig | None = None, **kw: Any
+                   ) -> CompletionsClient:
+        return cls(server.base_url, server.model_name, cfg, api_key=server.api_key, **kw)
+
+    def _session_(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            # The semaphore is the limit that matters; the connector must not be a tighter one.
+            conn = aiohttp.TCPConnector(limit=self.cfg.max_in_flight + 4)
+            self._session = aiohttp.ClientSession(headers=headers, connector=conn)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> CompletionsClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _fail(self, kind: str, message: str, status: int | None = None) -> CompletionError:
+        setattr(self.stats, kind, getattr(self.stats, kind) + 1)
+        self.stats.failed += 1
+        self.stats.errors = (self.stats.errors + [f"{kind}: {message}"])[-20:]
+        if self.recorder is not None:
+            self.recorder.log("client_error", error=kind, status=status, message=message[:300])
+        return CompletionError(kind, message, status)
+
+    async def complete(self, prompt_ids: list[int], *, max_tokens: int = 16,
+                       temperature: float = 1.0, top_p: float = 1.0, n: int = 1,
+                       seed: int | None = None, **extra: Any) -> list[Completion]:
+        """Sample ``n`` completions of a token-id prompt; raises :class:`CompletionError`.
+
+        ``extra`` goes into the request body as is (e.g. ``ignore_eos``, ``logit_bias``).
+        """
+        body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
+                "temperature": temperature, "top_p": top_p, "n": n, "logprobs": 1,
+                "return_token_ids": True, **extra}
+        if seed is not None:
+            body["seed"] = seed
+        async with self._sem:
+            self.in_flight += 1
+            self.stats.requests += 1
+            try:
+                return await self._post_with_retries(body)
+            finally:
+                self.in_flight -= 1
+
+    async def _post_with_retries(self, body: dict[str, Any]) -> list[Completion]:
+        url = f"{self.base_url}/completions"
+        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+        for attempt in range(self.cfg.retries + 1):
+            t0 = time.perf_counter()
+            try:
+                async with self._session_().post(url, json=body, timeout=timeout) as resp:
+                    if resp.status >= 400:
+                        text = await resp.text()
+                        kind = "http_4xx" if resp.status < 500 else "http_5xx"
+                        raise self._fail(kind, f"HTTP {resp.status} from {url}: {text[:500]}",
+                                         resp.status)
+                    payload = await resp.json()
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
+                if isinstance(err, aiohttp.ServerTimeoutError):
+                    raise self._fail("timeouts", f"timed out: {err}") from err
+                if attempt < self.cfg.retries:
+                    self.stats.retries += 1
+                    await asyncio.sleep(self.cfg.backoff_s * 2**attempt)
+                    continue
+                raise self._fail("connection_errors",
+                                 f"{url} unreachable after {attempt + 1} attempts: {err!r}"
+                                 ) from err
+            except TimeoutError as err:
+                raise self._fail("timeouts", f"no answer within {self.cfg.timeout_s} s "
+                                 f"(ClientConfig.timeout_s) from {url}") from err
+            return self._parse(payload, time.perf_counter() - t0)
+        raise AssertionError("unreachable")
+
+    def _parse(self, payload: dict[str, Any], latency: float) -> list[Completion]:
+        out = []
+        for choice in payload.get("choices", []):
+            ids = list(choice.get("token_ids") or [])
+            lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if not ids:
+                raise self._fail("empty", f"completion with no tokens "
+                                 f"(finish_reason={choice.get('finish_reason')!r})")
+            if len(lps) != len(ids):
+                raise self._fail("http_5xx", f"{len(ids)} token ids but {len(lps)} log-probs")
+            if not choice.get("text"):
+                self.stats.empty_text += 1
+            out.append(Completion(token_ids=ids, logprobs=[float(x) for x in lps],
+                                  text=choice.get("text") or "",
+                                  finish_reason=choice.get("finish_reason"), latency_s=latency,
+                                  prompt_token_ids=choice.get("prompt_token_ids")))
+        if not out:
+            raise self._fail("empty", "response without choices")
+        self.stats.ok += 1
+        self.stats.prompt_tokens += len(out[0].prompt_token_ids or [])
+        self.stats.completion_tokens += sum(len(c.token_ids) for c in out)
+        if self.recorder is not None:
+            self.recorder.log("request", latency_s=latency, in_flight=self.in_flight,
+                              tokens=sum(len(c.token_ids) for c in out))
+        return out

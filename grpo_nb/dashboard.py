@@ -1,0 +1,144 @@
+"""The LLM ring's dashboard: live in a notebook, a PNG in a terminal, re-plotted from JSONL.
+
+It only reads metric rows (``step``, ``eval``, ``sync``, ``dropped``, ``busy``), so a finished
+run looks exactly as it did live::
+
+    run_ring ─► MetricsRecorder ─► llm_figure(rec) ─► LiveDashboard (display handle + Stop)
+                     │                              └► save_dashboard(run_dir) ─► dashboard.png
+                     └─ runs/<name>/metrics.jsonl ─► load_run(run_dir) ─► the same figure
+    {"async": rec_a, "sync": rec_s} ─► compare_figure() ─► reward / accuracy vs wall clock
+
+Panel helpers (timeline, staleness histogram, series) come from :mod:`grpo_nb.live`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+from grpo_nb.live import plot_series, plot_staleness, plot_timeline
+from grpo_nb.metrics import MetricsRecorder, load_metrics
+
+
+def _xy(rows: list[dict[str, Any]], key: str, x: str = "t") -> tuple[list, list]:
+    pts = [(r[x], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
+               window_s: float | None = 60.0) -> Figure:
+    """Eight panels: reward & accuracy, KL & clip, length, tokens/s, staleness, sync, timeline."""
+    if fig is None:
+        fig = plt.figure(figsize=(14, 9), layout="constrained")
+    fig.clear()
+    axes = fig.subplot_mosaic([["reward", "kl", "len"], ["tps", "stale", "sync"],
+                               ["timeline", "timeline", "timeline"]])
+    steps, evals, syncs = rec.rows("step"), rec.rows("eval"), rec.rows("sync")
+    ax = axes["reward"]
+    plot_series(ax, *_xy(steps, "reward"), label="train reward", smooth=10, color="tab:blue")
+    plot_series(ax, *_xy(evals, "accuracy"), label="test accuracy (greedy)", color="tab:green",
+                marker="o")
+    ax.set(title="reward and test accuracy", xlabel="time (s)", ylim=(0, 1))
+    ax.legend(fontsize=8, loc="lower right")
+    ax = axes["kl"]
+    plot_series(ax, *_xy(steps, "clip_frac"), label="clip fraction", color="tab:red")
+    plot_series(ax, *_xy(steps, "kl"), label="KL to reference", color="tab:purple")
+    ax.set(title="clip fraction and KL", xlabel="time (s)")
+    ax.legend(fontsize=8)
+    ax = axes["len"]
+    plot_series(ax, *_xy(steps, "response_len"), color="tab:orange", smooth=5)
+    ax.set(title="mean response length (tokens)", xlabel="time (s)")
+    ax = axes["tps"]
+    busy = rec.rows("busy")
+    gen_tok = [(r["t"], r["tokens"] / max(r["train_s"], 1e-9)) for r in steps
+               if r.get("train_s")]
+    if len(steps) >= 2:
+        xs = [r["t"] for r in steps[1:]]
+        ys = [b["tokens"] / max(b["t"] - a["t"], 1e-9)
+              for a, b in zip(steps[:-1], steps[1:], strict=True)]
+        plot_series(ax, xs, ys, label="consumed by trainer", smooth=10, color="tab:cyan")
+    if gen_tok:
+        plot_series(ax, *zip(*gen_tok, strict=True), label="trainer step speed", smooth=10,
+                    color="tab:gray")
+    ax.set(title="tokens / s", xlabel="time (s)")
+    ax.legend(fontsize=8)
+    dropped = rec.rows("dropped")
+    plot_staleness(axes["stale"], [s for r in steps for s in r.get("staleness", [])],
+                   title=f"staleness of trained groups (dropped: {len(dropped)})")
+    ax = axes["sync"]
+    plot_series(ax, *_xy(syncs, "ms", "version"), marker=".", color="tab:brown")
+    ok = all(r.get("verified") for r in syncs) if syncs else False
+    ax.set(title=f"weight sync time (ms) — verified: {ok}", xlabel="weight version")
+    plot_timeline(axes["timeline"], busy, window_s=window_s,
+                  title=f"actor timeline (last {window_s:.0f} s)" if window_s else "actor timeline")
+    return fig
+
+
+class LiveDashboard:
+    """The dashboard in a notebook: one display handle updated in place, and a Stop button.
+
+    ``stop`` (an ``asyncio.Event``) is what :func:`grpo_nb.llm.train` watches; the button sets
+    it, and the ring then drains, syncs, evaluates, checkpoints and returns normally.
+    """
+
+    def __init__(self, every_s: float = 2.0, *, button: bool = True) -> None:
+        import asyncio
+
+        from IPython.display import display
+
+        self.every_s, self.last = every_s, 0.0
+        self.stop = asyncio.Event()
+        if button:
+            import ipywidgets as widgets
+
+            self.button = widgets.Button(description="Stop", button_style="danger",
+                                         icon="stop")
+            self.button.on_click(lambda _b: self.stop.set())
+            display(self.button)
+        self.fig = plt.figure(figsize=(14, 9), layout="constrained")
+        plt.close(self.fig)  # shown through the handle only, not again at the cell's end
+        self.handle = display(self.fig, display_id=True)
+
+    def __call__(self, kind: str, rec: MetricsRecorder) -> None:
+        """``on_event`` callback for :func:`grpo_nb.llm.train`."""
+        if kind in ("step", "eval") and time.monotonic() - self.last >= self.every_s:
+            self.refresh(rec)
+
+    def refresh(self, rec: MetricsRecorder) -> None:
+        llm_figure(rec, self.fig)
+        self.handle.update(self.fig)
+        self.last = time.monotonic()
+
+
+def save_dashboard(run_dir: Path | str, name: str = "dashboard.png") -> Path:
+    """Re-plot a run folder's metrics as a PNG next to them."""
+    fig = load_run(run_dir)
+    path = Path(run_dir) / name
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def load_run(run_dir: Path | str, *, window_s: float | None = None) -> Figure:
+    """The dashboard of a finished (or interrupted) run, from its ``metrics.jsonl``."""
+    return llm_figure(load_metrics(run_dir), window_s=window_s)
+
+
+def compare_figure(runs: dict[str, MetricsRecorder]) -> Figure:
+    """Reward and test accuracy against wall-clock time, one line per run (e.g. async/sync)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+    for label, rec in runs.items():
+        plot_series(a, *_xy(rec.rows("step"), "reward", "wall_s"), label=label, smooth=10)
+        evals = rec.rows("eval")
+        t0 = rec.rows("step")[0]["t"] - rec.rows("step")[0]["wall_s"] if rec.rows("step") else 0
+        plot_series(b, [r["t"] - t0 for r in evals], [r["accuracy"] for r in evals],
+                    label=label, marker="o")
+    a.set(title="train reward vs wall clock", xlabel="seconds of training", ylim=(0, 1))
+    b.set(title="test accuracy vs wall clock", xlabel="seconds of training", ylim=(0, 1))
+    a.legend()
+    b.legend()
+    return fig

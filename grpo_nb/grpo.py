@@ -1,0 +1,337 @@
+"""The GRPO objective: pure torch functions, no I/O, one formula per docstring.
+
+The same functions serve the toy ring (one action per sample, ``T = 1``) and the LLM trainer
+(``T`` completion tokens per sample). Data flows through them like this::
+
+    rewards [B] ──► group_advantages ──► A [B] ─────────────────────────┐
+                                                                         ▼
+    logits [B,T,V] ─► token_logprobs ─► logp [B,T] ──► policy_loss(logp, old, A, mask, ...)
+                                          │                 │   ratio  r = exp(logp - old)
+    old_logprobs [B,T] (policy that sampled,│                │   PPO-clip, clip-higher
+       recomputed by the trainer) ─────────┼────────────────►│   + kl_coef * kl_penalty(logp, ref)
+    ref_logprobs [B,T] (frozen reference) ─┘                 │   x truncated IS weight (optional)
+    sampler_logprobs [B,T] (from vLLM, optional) ───────────►│
+                                                             ▼
+                                   aggregate(per_token, mask, loss_agg) ──► (loss, metrics)
+
+Conventions
+    * ``B`` samples, ``T`` tokens per sample, ``V`` vocabulary size. Groups are consecutive
+      blocks of ``group_size`` samples that answer the same prompt.
+    * ``mask`` is ``[B, T]`` (bool or float); a masked-out (padding) position never contributes to
+      the loss, its gradient or any metric.
+    * Every computation runs in float32, whatever the input dtype (bf16 logits included).
+    * :func:`policy_loss` returns a loss to *minimise*: the negative clipped surrogate. (The seed
+      script minimised ``ratio * advantage`` itself, which pushes probability *away* from good
+      answers.)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+AdvScale = Literal["std", "none"]
+KLKind = Literal["k1", "k2", "k3"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+# ── advantages ─────────────────────────────────────────────────────────────────────────────
+
+
+def _groups(rewards: Tensor, group_size: int) -> Tensor:
+    """Reshape ``rewards [B]`` to ``[B / group_size, group_size]`` in float32, with checks."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    if group_size < 2:
+        # A group of one has no baseline but itself: its advantage would always be 0.
+        raise ValueError(f"group_size must be >= 2 (got {group_size}): GRPO compares samples "
+                         "of the same prompt with each other")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"batch of {rewards.numel()} rewards is not a whole number of groups "
+                         f"of group_size={group_size}")
+    return rewards.detach().float().view(-1, group_size)
+
+
+def zero_std_groups(rewards: Tensor, group_size: int) -> int:
+    """Number of groups whose rewards are all equal; they carry no learning signal."""
+    g = _groups(rewards, group_size)
+    return int((g.amax(dim=1) == g.amin(dim=1)).sum().item())
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, *, scale: AdvScale = "std", eps: float = 1e-6
+) -> Tensor:
+    """Group-relative advantages, one per sample.
+
+    For sample ``i`` in group ``g`` (consecutive blocks of ``group_size``)::
+
+        scale="std":   A_i = (r_i - mean_g(r)) / (std_g(r) + eps)     (GRPO, DeepSeekMath)
+        scale="none":  A_i =  r_i - mean_g(r)                          (Dr. GRPO)
+
+    ``std_g`` is the unbiased sample standard deviation (Bessel's correction, ``n - 1``), as in
+    ``torch.std`` and TRL. Dividing by it gives a group of nearly-solved (or nearly-failed)
+    prompts the same advantage magnitude as a 50/50 group: the "difficulty bias" that
+    ``scale="none"`` removes. A group whose rewards are all equal gets exactly ``0`` (not
+    ``0 / eps`` rounding noise): use :func:`zero_std_groups` to count them.
+
+    Raises ``ValueError`` if ``rewards`` is not 1-D, ``group_size < 2`` or ``B`` is not a
+    multiple of ``group_size``. Returns float32 ``[B]``, detached (advantages are constants).
+    """
+    if scale not in ("std", "none"):
+        raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
+    g = _groups(rewards, group_size)
+    centred = g - g.mean(dim=1, keepdim=True)
+    if scale == "std":
+        centred = centred / (g.std(dim=1, keepdim=True) + eps)
+    flat = (g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)).expand_as(g)
+    return torch.where(flat, torch.zeros_like(centred), centred).reshape(-1)
+
+
+# ── log-probabilities ──────────────────────────────────────────────────────────────────────
+
+
+def _chunk_logprobs(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    picked = x.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(x, dim=-1)
+
+
+def token_logprobs(
+    logits: Tensor, token_ids: Tensor, temperature: float = 1.0, *, chunk_size: int = 1024
+) -> Tensor:
+    """Log-probabilities of ``token_ids`` under ``softmax(logits / temperature)``.
+
+    ``logp[b, t] = logits[b, t, id] / τ - logsumexp_v(logits[b, t, v] / τ)``, with
+    ``id = token_ids[b, t]``.
+
+    ``logits`` is ``[B, T, V]`` already aligned with ``token_ids [B, T]`` (for a causal LM, pass
+    ``logits[:, :-1]`` and ``ids[:, 1:]``). The ``B * T`` rows are processed ``chunk_size`` rows
+    at a time, so only one chunk's float32 copy of the logits exists at once: a 151k vocabulary
+    needs ``chunk_size * V * 4`` bytes (0.6 GB at 1024 rows), not ``B * T * V * 4``. When
+    gradients are needed each chunk is checkpointed, so backward recomputes that chunk's
+    softmax instead of keeping every chunk's float32 copy alive. Returns float32 ``[B, T]``;
+    gradients flow to ``logits``.
+
+    ``temperature`` must match the one the sampler applied if the result is compared with the
+    sampler's log-probs (and the sampler must report post-temperature log-probs).
+    """
+    if logits.dim() != 3 or token_ids.shape != logits.shape[:2]:
+        raise ValueError(f"expected logits [B,T,V] and token_ids [B,T], got "
+                         f"{tuple(logits.shape)} and {tuple(token_ids.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    b, t, v = logits.shape
+    flat_logits = logits.reshape(b * t, v)
+    flat_ids = token_ids.reshape(b * t).long()
+    use_ckpt = torch.is_grad_enabled() and logits.requires_grad
+    out = []
+    for start in range(0, b * t, chunk_size):
+        rows, ids = flat_logits[start:start + chunk_size], flat_ids[start:start + chunk_size]
+        if use_ckpt:
+            out.append(checkpoint(_chunk_logprobs, rows, ids, temperature, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(rows, ids, temperature))
+    if not out:
+        return logits.new_zeros((b, t), dtype=torch.float32)
+    return torch.cat(out).view(b, t)
+
+
+# ── KL estimators ──────────────────────────────────────────────────────────────────────────
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> Tensor:
+    """Per-token estimates of ``KL(π_θ || π_ref)`` from tokens sampled by ``π_θ``.
+
+    With ``log ρ = log π_ref(y) - log π_θ(y)`` (Schulman, "Approximating KL divergence")::
+
+        k1 = -log ρ                     unbiased, high variance, can be negative
+        k2 = ½ (log ρ)²                 biased, low variance, ≥ 0
+        k3 = ρ - 1 - log ρ              unbiased, low variance, ≥ 0 (GRPO / DeepSeekMath)
+
+    Gradients with respect to ``logprobs`` (``ref_logprobs`` is treated as a constant)::
+
+        ∂k1/∂logπ_θ = 1        ∂k2/∂logπ_θ = -log ρ        ∂k3/∂logπ_θ = 1 - ρ
+
+    Used as a *loss* (gradient through ``log π_θ`` only, the sampling distribution held fixed),
+    their gradients averaged over ``y ~ π_θ`` are: ``k1`` → 0 (no pull towards the reference at
+    all), ``k2`` → ∇ KL(π_θ || π_ref), ``k3`` → ∇ KL(π_ref || π_θ) (the *reverse* KL). Returns
+    float32, same shape as the inputs; mask and aggregate it like any per-token loss.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs "
+                         f"{tuple(ref_logprobs.shape)} differ in shape")
+    log_rho = ref_logprobs.detach().float() - logprobs.float()
+    if kind == "k1":
+        return -log_rho
+    if kind == "k2":
+        return 0.5 * log_rho.square()
+    return torch.expm1(log_rho) - log_rho
+
+
+# ── aggregation ────────────────────────────────────────────────────────────────────────────
+
+
+def aggregate(
+    per_token: Tensor, mask: Tensor, loss_agg: LossAgg = "token-mean", max_tokens: int | None = None
+) -> Tensor:
+    """Reduce a per-token quantity ``x [B, T]`` to a scalar, ignoring masked positions.
+
+    With ``m`` the mask and ``L_b = Σ_t m[b, t]`` the length of sequence ``b``::
+
+        token-mean:               Σ_b Σ_t m x / Σ_b L_b
+        seq-mean-token-mean:      mean over {b : L_b > 0} of (Σ_t m x / L_b)
+        seq-mean-token-sum-norm:  Σ_b Σ_t m x / (B · max_tokens)     (Dr. GRPO; max_tokens
+                                                                      defaults to T)
+
+    ``token-mean`` weights every token equally, so long answers count more per sample.
+    ``seq-mean-token-mean`` weights every sequence equally, so each token of a long answer
+    counts *less*: a long wrong answer is penalised less per token than a short wrong one
+    (the length bias Dr. GRPO points out). ``seq-mean-token-sum-norm`` divides by a constant, so
+    each token's weight depends on neither its own sequence's length nor the batch's.
+    Empty batches (no unmasked token) give 0.
+    """
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if per_token.dim() != 2 or mask.shape != per_token.shape:
+        raise ValueError(f"expected per_token and mask of the same shape [B,T], got "
+                         f"{tuple(per_token.shape)} and {tuple(mask.shape)}")
+    m = mask.float()
+    # where() rather than x*m: a masked position holding inf/nan must not leak into the sum.
+    x = torch.where(m != 0, per_token.float(), torch.zeros((), device=per_token.device)) * m
+    if loss_agg == "token-mean":
+        return x.sum() / m.sum().clamp(min=1.0)
+    if loss_agg == "seq-mean-token-mean":
+        lengths = m.sum(dim=1)
+        seq = x.sum(dim=1) / lengths.clamp(min=1.0)
+        present = (lengths > 0).float()
+        return (seq * present).sum() / present.sum().clamp(min=1.0)
+    norm = per_token.shape[1] if max_tokens is None else max_tokens
+    if norm <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    return x.sum() / (per_token.shape[0] * norm)
+
+
+# ── the loss ───────────────────────────────────────────────────────────────────────────────
+
+
+def _check_same(name: str, t: Tensor | None, shape: torch.Size) -> None:
+    if t is not None and t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def _token_mean(x: Tensor, m: Tensor) -> float:
+    return float(aggregate(x.detach(), m, "token-mean"))
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    loss_agg: LossAgg = "token-mean",
+    max_tokens: int | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: KLKind = "k3",
+    sampler_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The GRPO loss (to minimise) and its diagnostics.
+
+    Per token, with ``r = exp(logp - old)`` and ``A`` the sequence's advantage::
+
+        surrogate = min(r · A, clip(r, 1 - clip_low, 1 + clip_high) · A)      PPO-clip
+        ℓ         = -w · surrogate + kl_coef · KL_kind(logp, ref)
+        loss      = aggregate(ℓ, mask, loss_agg, max_tokens)
+
+    ``clip_high > clip_low`` is DAPO's "clip-higher": it lets rare tokens with ``A > 0`` grow
+    further before the clip stops their gradient. ``old_logprobs`` are the log-probs of the
+    policy that generated the samples, recomputed by the trainer (detached); the gradient flows
+    through ``logprobs`` only.
+
+    Truncated importance sampling (off unless both ``sampler_logprobs`` and ``tis_cap`` are
+    given): the sampler (vLLM) and the trainer compute slightly different probabilities for the
+    same weights, so each token is re-weighted by ``w = min(exp(old - sampler), tis_cap)``
+    (detached); otherwise ``w = 1``.
+
+    ``advantages`` is ``[B]`` (broadcast over tokens) or ``[B, T]``. Works for ``T = 1``.
+    Metrics (token-mean over unmasked tokens): ``loss``, ``pg_loss``, ``kl`` (0 without a
+    reference), ``clip_frac_low`` (``r < 1 - clip_low`` and ``A < 0``: the lower clip zeroes the
+    gradient), ``clip_frac_high`` (``r > 1 + clip_high`` and ``A > 0``), ``ratio_mean``,
+    ``ratio_max``, ``ratio_min``, ``tis_weight_mean`` and ``tis_frac_capped`` (1 and 0 when off).
+    """
+    shape = logprobs.shape
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B,T], got {tuple(shape)}")
+    for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
+                    ("sampler_logprobs", sampler_logprobs)):
+        _check_same(name, t, shape)
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
+                         f"[B]={tuple(shape[:1])} or [B,T]={tuple(shape)}")
+    if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, "
+                         f"clip_high={clip_high}")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+    if (sampler_logprobs is None) != (tis_cap is None):
+        raise ValueError("truncated importance sampling needs both sampler_logprobs and tis_cap")
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+
+    m = mask.float()
+    valid = m != 0
+    logp = logprobs.float()
+    adv = advantages.detach().float()
+    adv = adv.unsqueeze(1).expand(shape) if adv.dim() == 1 else adv
+    # Zeroing the log-ratio at padding keeps exp() finite there (padding may hold any value).
+    log_ratio = torch.where(valid, logp - old_logprobs.detach().float(), torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+
+    weight = torch.ones_like(ratio)
+    if sampler_logprobs is not None and tis_cap is not None:
+        tis_log = torch.where(valid, old_logprobs.float() - sampler_logprobs.float(),
+                              torch.zeros_like(logp)).detach()
+        weight = torch.exp(tis_log).clamp(max=tis_cap)
+    pg_tok = -weight * surrogate
+
+    if ref_logprobs is not None:
+        ref = torch.where(valid, ref_logprobs.float(), logp.detach())
+        kl_tok = kl_penalty(logp, ref, kl_kind)
+    else:
+        kl_tok = torch.zeros_like(logp)
+    per_token = pg_tok + kl_coef * kl_tok if kl_coef != 0.0 else pg_tok
+    loss = aggregate(per_token, m, loss_agg, max_tokens)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        any_valid = bool(valid.any())
+        metrics = {
+            "loss": float(loss.detach()),
+            "pg_loss": float(aggregate(pg_tok.detach(), m, loss_agg, max_tokens)),
+            "kl": _token_mean(kl_tok, m),
+            "clip_frac_low": _token_mean(((r < 1.0 - clip_low) & (adv < 0)).float(), m),
+            "clip_frac_high": _token_mean(((r > 1.0 + clip_high) & (adv > 0)).float(), m),
+            "ratio_mean": _token_mean(r, m),
+            "ratio_max": float(r[valid].max()) if any_valid else 1.0,
+            "ratio_min": float(r[valid].min()) if any_valid else 1.0,
+            "tis_weight_mean": _token_mean(weight, m),
+            "tis_frac_capped": _token_mean((weight >= (tis_cap or float("inf"))).float(), m),
+        }
+    return loss, metrics

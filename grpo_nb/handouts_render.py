@@ -1,0 +1,179 @@
+"""Executing notebooks and rendering them for handouts: HTML pages and a PDF via Chromium.
+
+Data flow::
+
+    notebook ─► execute() ─► flatten_widgets() ─► render_html() ─► page.html
+    (nbclient,   (widget views → the static          (nbconvert; images     │
+     smoke or     outputs they showed: plots inside    inline as data URIs)  ▼
+     full)        Output widgets survive without JS)               print_pdf() ─► .pdf
+                                                                   (Debian's Chromium)
+
+The PDF is printed by Debian's Chromium through Playwright rather than by nbconvert's
+``WebPDFExporter``, because that exporter only launches Playwright's own downloaded browser and
+nothing may be downloaded on the course machines; the page it prints uses nbconvert's ``webpdf``
+template, so the result matches ``jupyter nbconvert --to webpdf``. Formulas in the PDF are typeset
+by Debian's MathJax (``libjs-mathjax``) when it is installed, so printing needs no internet. The browser test reuses
+:data:`CHROMIUM_ARGS` and :func:`chromium_executable`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from nbformat import NotebookNode
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax/MathJax.js")
+# Playwright adds --headless itself and takes the profile folder as an argument of
+# launch_persistent_context; these are the rest. Background networking, component updates and
+# sync would try to reach Google from a machine without internet and stall page loads.
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # we run as root in containers, where Chromium's sandbox cannot start
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def execute(nb: NotebookNode, cwd: Path, full: bool, timeout_s: int) -> tuple[str | None, float]:
+    """Run ``nb`` in place as nbmake does (working dir = its folder); return (error, seconds).
+
+    A failing notebook keeps the outputs up to the failure, so its page still shows what went
+    wrong; the error is also returned for the index.
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from nbconvert.filters import strip_ansi
+
+    env = dict(os.environ, GRPO_NB_SMOKE="0" if full else "1")
+    client = NotebookClient(
+        nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
+    start = time.monotonic()
+    try:
+        client.execute(env=env)
+        error = None
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:
+        last_line = strip_ansi(str(exc)).strip().splitlines()[-1]
+        error = f"{type(exc).__name__}: {last_line[:300]}"
+    return error, time.monotonic() - start
+
+
+def _widget_outputs(model_id: str, state: dict[str, Any], depth: int = 0) -> list[dict[str, Any]]:
+    """Static outputs standing in for one widget view (recursing into boxes and Output)."""
+    model = state.get(model_id)
+    if model is None or depth > 20:
+        return []
+    name, st = model.get("model_name", ""), model.get("state", {})
+    if name == "OutputModel":
+        return _flatten_outputs(st.get("outputs", []), state, depth + 1)
+    if "children" in st:  # HBox, VBox, interact's container, tqdm's bar
+        return [
+            out
+            for child in st["children"]
+            for out in _widget_outputs(str(child).removeprefix("IPY_MODEL_"), state, depth + 1)
+        ]
+    if name in {"HTMLModel", "HTMLMathModel", "LabelModel"}:
+        return [
+            nbformat.v4.new_output("display_data", data={"text/html": str(st.get("value", ""))})
+        ]
+    label = st.get("description") or name.removesuffix("Model")
+    text = f"[{label}: {st['value']}]" if "value" in st else f"[{label}]"
+    return [nbformat.v4.new_output("display_data", data={"text/plain": text})]
+
+
+def _flatten_outputs(outputs: list[Any], state: dict[str, Any], depth: int) -> list[Any]:
+    flat = []
+    for out in outputs:
+        view = out.get("data", {}).get(WIDGET_VIEW)
+        if view is None:
+            flat.append(out)
+        else:
+            flat.extend(_widget_outputs(view.get("model_id", ""), state, depth))
+    return flat
+
+
+def flatten_widgets(nb: NotebookNode) -> NotebookNode:
+    """Replace widget views by the outputs they showed when the notebook finished.
+
+    An HTML page would otherwise need the widget manager from a CDN to draw anything inside a
+    widget, including the plots notebook 03 draws into ``Output`` widgets under its sliders.
+    """
+    out = copy.deepcopy(nb)
+    state = out.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    for cell in out.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.from_dict(o) for o in _flatten_outputs(cell.outputs, state, 0)]
+    out.metadata.pop("widgets", None)
+    return out
+
+
+def local_mathjax_url() -> str | None:
+    """Debian's MathJax 2 (``libjs-mathjax``), for printing formulas without internet."""
+    if not LOCAL_MATHJAX.is_file():
+        return None
+    return f"{LOCAL_MATHJAX.as_uri()}?config=TeX-AMS_CHTML-full,Safe"
+
+
+def render_html(nb: NotebookNode, template: str = "lab", mathjax_url: str | None = None) -> str:
+    """One self-contained page: nbconvert inlines output images and the template's CSS.
+
+    Formulas are typeset by MathJax from nbconvert's CDN default unless ``mathjax_url`` says
+    otherwise: a page handed out must not point into this machine's file system.
+    """
+    from nbconvert import HTMLExporter
+
+    extra = {"mathjax_url": mathjax_url} if mathjax_url else {}
+    exporter = HTMLExporter(template_name=template, embed_images=True, **extra)
+    body, _ = exporter.from_notebook_node(nb)
+    return body
+
+
+def chromium_executable() -> str:
+    """Debian's Chromium (``GRPO_NB_CHROMIUM`` overrides); Playwright's own is never used."""
+    path = os.environ.get("GRPO_NB_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no Chromium at {path}: apt-get install chromium (make test does)")
+    return path
+
+
+def _wait_for_mathjax(page: Any, timeout_ms: int = 60_000) -> None:
+    """Let MathJax finish typesetting, if it loaded at all (a CDN copy may not, offline)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function("() => window.MathJax && window.MathJax.Hub", timeout=5_000)
+    except PlaywrightTimeout:
+        return  # no MathJax: formulas stay as TeX source, still readable
+    page.evaluate("() => new Promise(done => window.MathJax.Hub.Queue(done))")
+    page.wait_for_timeout(300)
+
+
+def print_pdf(html_path: Path, pdf_path: Path) -> None:
+    """Print an HTML file to PDF with the system Chromium, headless and offline."""
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory() as profile, sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(
+            profile, executable_path=chromium_executable(), headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            page = ctx.new_page()
+            page.emulate_media(media="print")
+            # "load", not "networkidle": scripts from a CDN may never answer offline.
+            page.goto(html_path.resolve().as_uri(), wait_until="load", timeout=120_000)
+            _wait_for_mathjax(page)
+            page.pdf(path=str(pdf_path), print_background=True, format="A4")
+        finally:
+            ctx.close()

@@ -1,0 +1,169 @@
+"""Plots of a ring run that update while it runs (notebook) or are saved as PNG (terminal).
+
+Everything here reads metric rows only (see :mod:`grpo_nb.metrics`), so a finished run
+re-plots from its ``metrics.jsonl`` exactly as it looked live::
+
+    ring actors ─► MetricsRecorder ─rows─► toy_figure(rec) ─► LivePlot (display handle, in place)
+                         │                                  └► save_figure(...) ─► toy.png
+                         └─ metrics.jsonl ─► load_run(dir) ─► the same figure
+
+The panel helpers (:func:`plot_timeline`, :func:`plot_staleness`, :func:`plot_series`) take
+an ``Axes`` and plain rows/values, so other dashboards can reuse them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from grpo_nb.metrics import MetricsRecorder, load_metrics
+
+Rows = Sequence[dict[str, Any]]
+
+
+def plot_series(ax: Axes, xs: Sequence[float], ys: Sequence[float], *, label: str = "",
+                smooth: int = 1, **kwargs: Any) -> None:
+    """A line, optionally with a trailing moving average of ``smooth`` points over it."""
+    ys_f = [float("nan") if y is None else float(y) for y in ys]
+    if smooth > 1 and len(ys_f) >= 2:
+        ax.plot(xs, ys_f, alpha=0.25, **kwargs)
+        avg = [sum(ys_f[max(0, i - smooth + 1): i + 1]) / (i - max(0, i - smooth + 1) + 1) for i in range(len(ys_f))]
+        ax.plot(xs, avg, label=label, **kwargs)
+    else:
+        ax.plot(xs, ys_f, label=label, **kwargs)
+
+
+def plot_staleness(ax: Axes, values: Iterable[int], *, title: str = "staleness of consumed samples") -> None:
+    """Histogram of staleness (trainer version minus the generating policy's version)."""
+    vals = [int(v) for v in values]
+    if vals:
+        hi = max(vals)
+        ax.hist(vals, bins=[b - 0.5 for b in range(hi + 2)], color="tab:purple", rwidth=0.85)
+        mean = sum(vals) / len(vals)
+        ax.axvline(mean, color="k", ls="--", lw=1, label=f"mean {mean:.2f}")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(title)
+    ax.set_xlabel("versions behind")
+    ax.set_ylabel("samples")
+
+
+def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
+                  title: str = "who was busy when") -> None:
+    """Gantt chart of ``busy`` rows (``actor``, ``label``, ``start``, ``end``), one lane per actor.
+
+    ``window_s`` shows only the last seconds (a live plot of a long run stays readable).
+    """
+    rows = list(busy_rows)
+    if window_s is not None and rows:
+        t_end = max(r["end"] for r in rows)
+        rows = [r for r in rows if r["end"] >= t_end - window_s]
+    actors = sorted({r["actor"] for r in rows}, key=_actor_order)
+    labels = sorted({r.get("label", "") for r in rows})
+    colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
+    for lane, actor in enumerate(actors):
+        for lab in labels:
+            spans = [(r["start"], max(r["end"] - r["start"], 1e-4)) for r in rows
+                     if r["actor"] == actor and r.get("label", "") == lab]
+            if spans:
+                ax.broken_barh(spans, (lane - 0.4, 0.8), color=colors[lab])
+    ax.set_yticks(range(len(actors)), actors)
+    ax.set_ylim(-0.6, max(len(actors), 1) - 0.4)
+    ax.set_xlabel("time (s)")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[lab]) for lab in labels]
+    if handles:
+        ax.legend(handles, labels, loc="upper left", fontsize=7, ncols=min(4, len(labels)))
+
+
+def _actor_order(name: str) -> tuple[int, str]:
+    for i, prefix in enumerate(("gen", "scorer", "ref", "trainer")):
+        if name.startswith(prefix):
+            return i, name
+    return 9, name
+
+
+def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_reward: float | None = None,
+               fig: Figure | None = None, window_s: float | None = 3.0) -> Figure:
+    """The toy ring's 2x2 figure: reward vs optimum, KL, staleness histogram, actor timeline."""
+    if fig is None:
+        fig = plt.figure(figsize=(11, 6.5))
+    fig.clf()
+    (ax_r, ax_kl), (ax_st, ax_tl) = fig.subplots(2, 2)
+    steps = rec.rows("step")
+    xs = [r["step"] for r in steps]
+    plot_series(ax_r, xs, [r["reward"] for r in steps], label="sampled reward", smooth=10, color="tab:blue")
+    if steps and "expected_reward" in steps[0]:
+        plot_series(ax_r, xs, [r["expected_reward"] for r in steps], label="policy's expected reward", color="tab:green")
+    if optimum is not None:
+        ax_r.axhline(optimum, color="tab:red", ls="--", lw=1, label=f"optimum {optimum:g}")
+    if random_reward is not None:
+        ax_r.axhline(random_reward, color="grey", ls=":", lw=1, label=f"random {random_reward:.2f}")
+    ax_r.set_ylim(-0.02, 1.05 * (optimum or 1.0))
+    ax_r.set_title("reward")
+    ax_r.set_xlabel("trainer step")
+    ax_r.legend(loc="lower right", fontsize=8)
+    plot_series(ax_kl, xs, [r["kl"] for r in steps], label="KL to reference", color="tab:orange")
+    ax_kl.set_title("KL(policy ‖ reference)")
+    ax_kl.set_xlabel("trainer step")
+    plot_staleness(ax_st, [s for r in steps for s in r.get("staleness", [])])
+    plot_timeline(ax_tl, rec.rows("busy"), window_s=window_s,
+                  title="who was busy when" + (f" (last {window_s:g} s)" if window_s else ""))
+    fig.tight_layout()
+    return fig
+
+
+class LivePlot:
+    """A figure that redraws in place in a notebook while the ring runs.
+
+    Use ``live = LivePlot(optimum=...)`` then pass ``live.update`` as ``on_step``; call
+    ``live.close(rec)`` at the end for the final frame. Redraws at most every ``every_s``
+    seconds: drawing costs tens of milliseconds, time the ring's event loop cannot run.
+    """
+
+    def __init__(self, *, optimum: float | None = 1.0, random_reward: float | None = None,
+                 every_s: float = 0.3, window_s: float | None = 3.0) -> None:
+        from IPython.display import display
+
+        self.optimum, self.random_reward = optimum, random_reward
+        self.every_s, self.window_s = every_s, window_s
+        self.fig = plt.figure(figsize=(11, 6.5))
+        plt.close(self.fig)  # we display it ourselves; stop inline backends showing it twice
+        self.frames = 0
+        self._last = 0.0
+        self.handle = display(self.fig, display_id=True)
+
+    def update(self, rec: MetricsRecorder, *, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        toy_figure(rec, optimum=self.optimum, random_reward=self.random_reward, fig=self.fig,
+                   window_s=self.window_s)
+        if self.handle is not None:
+            self.handle.update(self.fig)
+        self.frames += 1
+
+    def close(self, rec: MetricsRecorder) -> None:
+        """Draw the final frame (the one the saved notebook keeps)."""
+        self.update(rec, force=True)
+
+
+def save_figure(rec: MetricsRecorder, path: Path | str, **kwargs: Any) -> Path:
+    """Write the toy figure of ``rec`` to ``path`` (PNG); returns the path."""
+    fig = toy_figure(rec, window_s=None, **kwargs)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def load_run(run_dir: Path | str, **kwargs: Any) -> Figure:
+    """Re-plot a finished (or interrupted) toy run from its ``metrics.jsonl``."""
+    return toy_figure(load_metrics(run_dir), window_s=None, **kwargs)

@@ -1,0 +1,216 @@
+"""The LLM trainer's work, as a plain class: batches, the GRPO step, evaluation, checkpoints.
+
+The ring's Trainer actor owns one :class:`PolicyTrainer` and calls it from a worker thread
+(so the event loop keeps serving the generators while it computes)::
+
+    ScoredGroup × prompts_per_step ──► make_batch ──► input_ids [B, P+T], mask, old/sampler
+                                                        logprobs, advantages   (pad_sequence)
+          ──► step(): for each of grad_accum micro-batches:
+                  logits ─► grpo.token_logprobs ─► grpo.policy_loss ─► backward (scaled)
+              clip_grad_norm_ ─► AdamW.step ─► metrics
+    evaluate() ─► greedy accuracy on held-out problems (tiny_model.greedy_accuracy)
+    save(dir) / load(dir) ─► model (safetensors) + optimizer + step + version
+
+Everything here is synchronous torch code with no I/O besides checkpoints: it can be tested
+without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from grpo_nb import grpo
+from grpo_nb.llm_config import LLMConfig
+
+
+@dataclass
+class ScoredGroup:
+    """One prompt's ``group_size`` completions, as they travel generator → scorer → trainer.
+
+    ``version`` is the weight version the server had when the request was sent (with pause
+    mode ``keep`` later tokens may come from newer weights: the version is a lower bound).
+    """
+
+    prompt_ids: list[int]
+    answer: str
+    completions: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    finish_reasons: list[str | None]
+    texts: list[str]
+    version: int
+    source: str = ""
+    created: float = 0.0
+    rewards: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    ref_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors for a list of groups (``T`` = longest prompt + completion)."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    loss_mask: torch.Tensor  # [B, L-1]: 1 where position t+1 is a completion token
+    sampler_logprobs: torch.Tensor  # [B, L-1], 0 outside the mask
+    ref_logprobs: torch.Tensor | None
+    advantages: torch.Tensor  # [B]
+
+
+def _aligned(per_token: list[list[float]], prompt_lens: list[int], width: int) -> torch.Tensor:
+    """Place each completion's per-token values at its positions in the shifted sequence."""
+    out = torch.zeros(len(per_token), width)
+    for i, (vals, p) in enumerate(zip(per_token, prompt_lens, strict=True)):
+        out[i, p - 1:p - 1 + len(vals)] = torch.tensor(vals, dtype=torch.float32)
+    return out
+
+
+def make_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
+    """Stack groups into one padded batch (sequences are prompt + completion)."""
+    seqs, prompt_lens, samp, refs, adv = [], [], [], [], []
+    for g in groups:
+        for j, completion in enumerate(g.completions):
+            seqs.append(torch.tensor(g.prompt_ids + completion))
+            prompt_lens.append(len(g.prompt_ids))
+            samp.append(g.sampler_logprobs[j])
+            if g.ref_logprobs is not None:
+                refs.append(g.ref_logprobs[j])
+            adv.append(g.advantages[j])
+    ids = pad_sequence(seqs, batch_first=True, padding_value=pad_id)
+    attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
+    width = ids.shape[1] - 1
+    lengths = [len(s) for s in samp]
+    loss_mask = _aligned([[1.0] * n for n in lengths], prompt_lens, width)
+    return Batch(ids, attn, loss_mask, _aligned(samp, prompt_lens, width),
+                 _aligned(refs, prompt_lens, width) if len(refs) == len(seqs) else None,
+                 torch.tensor(adv, dtype=torch.float32))
+
+
+def sequence_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      temperature: float) -> torch.Tensor:
+    """``[B, L-1]`` log-prob of each next token under ``model`` (gradients flow)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return grpo.token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+class PolicyTrainer:
+    """Model + AdamW + (optional) frozen reference; one GRPO step at a time."""
+
+    def __init__(self, model: Any, tokenizer: Any, cfg: LLMConfig,
+                 eval_set: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.model.train()
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                     weight_decay=cfg.weight_decay)
+        if torch.cuda.is_available() and next(model.parameters()).is_cuda:
+            model.gradient_checkpointing_enable()  # memory for long sequences on GPU
+        self.eval_set = eval_set
+        self.step_count = 0
+        self.version = 0  # weight version the server last confirmed
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def step(self, groups: list[ScoredGroup]) -> dict[str, Any]:
+        """One optimiser step on ``groups`` (split into ``grad_accum`` micro-batches)."""
+        cfg = self.cfg
+        per_micro = max(1, len(groups) // cfg.grad_accum)
+        micro = [groups[i:i + per_micro] for i in range(0, len(groups), per_micro)]
+        batches = [make_batch(m, self.tokenizer.pad_token_id) for m in micro]
+        total_tokens = sum(float(b.loss_mask.sum()) for b in batches)
+        self.opt.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for b in batches:
+            loss, metrics = self._micro_loss(b)
+            # token-mean over the whole batch = Σ micro (tokens_i / total) · token-mean_i
+            weight = (float(b.loss_mask.sum()) / max(total_tokens, 1.0)
+                      if cfg.loss_agg == "token-mean" else 1.0 / len(batches))
+            (loss * weight).backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + weight * v
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                         cfg.max_grad_norm))
+        self.opt.step()
+        self.step_count += 1
+        rewards = torch.tensor([r for g in groups for r in g.rewards])
+        lengths = [len(c) for g in groups for c in g.completions]
+        return {
+            "step": self.step_count, "loss": sums.get("loss", 0.0), "kl": sums.get("kl", 0.0),
+            "clip_frac": sums.get("clip_frac_low", 0.0) + sums.get("clip_frac_high", 0.0),
+            "ratio_mean": sums.get("ratio_mean", 1.0), "grad_norm": grad_norm,
+            "reward": float(rewards.mean()), "tokens": int(sum(lengths)),
+            "response_len": sum(lengths) / max(len(lengths), 1),
+            "zero_std_groups": grpo.zero_std_groups(rewards, cfg.group_size),
+        }
+
+    def _micro_loss(self, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg, dev = self.cfg, self.device
+        ids, attn, mask = b.input_ids.to(dev), b.attention_mask.to(dev), b.loss_mask.to(dev)
+        logp = sequence_logprobs(self.model, ids, attn, cfg.temperature)
+        sampler = b.sampler_logprobs.to(dev)
+        extra: dict[str, Any] = {}
+        if cfg.ratio_against == "sampler":
+            old = sampler
+        else:
+            old = logp.detach()
+            if cfg.tis_cap is not None:
+                extra = {"sampler_logprobs": sampler, "tis_cap": cfg.tis_cap}
+        ref = b.ref_logprobs.to(dev) if b.ref_logprobs is not None and cfg.kl_coef else None
+        return grpo.policy_loss(logp, old, b.advantages.to(dev), mask, clip_low=cfg.clip_low,
+                                clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
+                                ref_logprobs=ref, kl_coef=cfg.kl_coef if ref is not None else 0.0,
+                                **extra)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Greedy accuracy on the held-out set (NaN when there is none)."""
+        if self.eval_set is None:
+            return math.nan
+        from grpo_nb.tiny_model import greedy_accuracy
+
+        prompts, answers = self.eval_set
+        acc = greedy_accuracy(self.model, prompts.to(self.device), answers.to(self.device))
+        self.model.train()
+        return acc
+
+    # ── checkpoints ──
+
+    def save(self, folder: Path | str, extra: dict[str, Any] | None = None) -> Path:
+        """Write model (HF format), optimizer and counters to ``folder`` (replaced whole)."""
+        folder = Path(folder)
+        tmp = folder.with_name(folder.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+        state = {"step": self.step_count, "version": self.version, **(extra or {})}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        if folder.exists():
+            import shutil
+
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+        return folder
+
+    def load(self, folder: Path | str) -> dict[str, Any]:
+        """Restore a :meth:`save` folder into this trainer; returns its saved counters."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        state = load_file(str(folder / "model.safetensors"))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:
+            raise ValueError(f"checkpoint {folder} does not fit the model: missing={missing} "
+                             f"unexpected={unexpected}")
+        self.opt.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        saved = json.loads((folder / "trainer_state.json").read_text())
+        self.step_count = int(saved["step"])
+        return saved

@@ -1,0 +1,73 @@
+"""The trainer's HTTP control plane to one vLLM server (dev-mode routes, loopback only).
+
+vLLM's own :class:`HTTPVLLMWeightSyncClient` covers the four weight-transfer routes that the
+trainer engines call; this subclass adds the routes around them::
+
+    WeightSyncer ──► VLLMControlClient ──HTTP──► /pause?mode=…  /resume
+                          │                       /init_weight_transfer_engine, /start_…,
+                          │                       /update_weights, /finish_weight_update
+                          └──────────────────────► /collective_rpc  /weight_info  /v1/…
+                                                   /update_weight_version
+
+Every call raises on a non-2xx answer or a dead server (``requests`` raises
+``ConnectionError`` at once when nothing listens), so a failed sync can never go unnoticed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync (or its verification) failed; the trainer's version must not advance."""
+
+
+class VLLMControlClient(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP weight-sync client plus pause / resume / RPC / version routes."""
+
+    def __init__(self, base_url: str, timeout: float = 60.0) -> None:
+        super().__init__(base_url, timeout=timeout)
+
+    def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+        self._request("POST", path, json=json)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        url = f"{self.base_url}/{path.lstrip('/')}"
+        try:
+            response = requests.request(method, url, timeout=self.timeout, **kwargs)
+        except requests.RequestException as err:
+            raise WeightSyncError(f"{method} {url}: {type(err).__name__}: {err}") from err
+        if not response.ok:
+            raise WeightSyncError(f"{method} {url} → HTTP {response.status_code}: "
+                                  f"{response.text[:500]}")
+        return response
+
+    def pause(self, mode: str = "keep") -> None:
+        """Stop scheduling: ``keep`` freezes requests, ``wait`` drains, ``abort`` ends them."""
+        self._request("POST", "pause", params={"mode": mode})
+
+    def resume(self) -> None:
+        self._request("POST", "resume")
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}}
+        if timeout is not None:
+            body["timeout"] = timeout
+        response = self._request("POST", "collective_rpc", json=body)
+        return response.json().get("results", []) if response.content else []
+
+    def weight_version(self) -> str | None:
+        return self._request("GET", "weight_info").json().get("weight_version")
+
+    def set_weight_version(self, version: str) -> None:
+        self._request("POST", "update_weight_version", json={"new_version": version})
+
+    def model_name(self) -> str:
+        return self._request("GET", "v1/models").json()["data"][0]["id"]
+
+    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", "v1/completions", json=body).json()

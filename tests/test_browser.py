@@ -1,0 +1,169 @@
+"""The notebooks as learners see them: JupyterLab in headless Chromium (Debian's), via Playwright.
+
+Data flow::
+
+    notebooks/ ──copy──► tmp/notebooks (+ a fixture) ──► JupyterLab (this venv, loopback, token,
+                                                           GRPO_NB_SMOKE=1 for its kernels)
+    Playwright ──► /usr/bin/chromium ──► open NN.ipynb ──► run all ──► screenshots + checks
+                                                                      └─► build/browser/*.png
+
+Checks per notebook: the live plot changes between two screenshots taken while its cell runs,
+widgets render (no "Loading widget…" placeholder, no version-mismatch error, no text fallback),
+no cell holds an error output; in 03, dragging a slider redraws the plot. A fixture notebook
+with a deliberate error proves the checks can fail. The committed notebooks are never touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import pytest
+from browser_helpers import (
+    WIDGET_FAILURES,
+    JupyterServer,
+    LabPage,
+    fixture_notebook,
+    lab_settings,
+    run_and_watch,
+)
+
+from grpo_nb.handouts_render import CHROMIUM_ARGS, chromium_executable
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parent.parent
+SHOTS = REPO / "build" / "browser"
+
+
+@pytest.fixture(scope="module")
+def lab_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[JupyterServer, object]]:
+    """A JupyterLab server on a copy of the notebooks, and a Chromium browser context."""
+    pytest.importorskip("playwright")
+    from playwright.sync_api import sync_playwright
+
+    root = tmp_path_factory.mktemp("lab")
+    nb_dir = root / "notebooks"
+    shutil.copytree(REPO / "notebooks", nb_dir, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    nbformat.write(fixture_notebook(steps=12, fail=True), nb_dir / "zz_fixture.ipynb")
+    shutil.rmtree(SHOTS, ignore_errors=True)
+    SHOTS.mkdir(parents=True)
+    print(f"\n[browser] screenshots: {SHOTS}")
+    env = {**__import__("os").environ, "GRPO_NB_SMOKE": "1", **lab_settings(root)}
+    with (
+        JupyterServer(nb_dir, SHOTS / "jupyter.log", env=env) as server,
+        tempfile.TemporaryDirectory() as profile,
+        sync_playwright() as pw,
+    ):
+        server.wait_ready()
+        ctx = pw.chromium.launch_persistent_context(
+            profile,
+            executable_path=chromium_executable(),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        try:
+            yield server, ctx
+        finally:
+            ctx.close()
+
+
+@pytest.fixture
+def lab(lab_env: tuple[JupyterServer, object]) -> Iterator[LabPage]:
+    server, ctx = lab_env
+    page = ctx.new_page()  # type: ignore[attr-defined]
+    try:
+        yield LabPage(page, server, SHOTS)
+    finally:
+        page.close()
+        server.shutdown_kernels()  # one notebook's kernel at a time on 2 cores
+
+
+def _widget_failures(cells: list[dict]) -> list[str]:
+    return [
+        f"cell {c['index']}: {m.group(0)}"
+        for c in cells
+        if (m := WIDGET_FAILURES.search(c["text"]))
+    ]
+
+
+def _errors(cells: list[dict]) -> list[str]:
+    return [f"cell {c['index']}: {e}" for c in cells for e in c["errors"]]
+
+
+def _assert_live_plot(plots: list, name: str) -> None:
+    changed = [p for p in plots if len(p.shots) == 2]
+    assert changed, f"{name}: no plot changed while its cell ran; shots: {[p.shots for p in plots]}"
+    p = changed[0]
+    assert p.shots[0].read_bytes() != p.shots[1].read_bytes(), f"{name}: identical screenshots"
+    assert p.times[1] - p.times[0] >= 2.0
+    print(f"[browser] {name}: live plot in cell {p.cell}: {p.shots[0].name}, {p.shots[1].name}")
+
+
+def _drag_first_slider(lab: LabPage, name: str) -> tuple[Path, Path]:
+    """Drag the first slider of a cell that also shows a plot; return before/after shots."""
+    cells = lab.cells()
+    target = next((c for c in cells if c["sliders"] and c["images"]), None)
+    assert target is not None, f"{name}: no cell shows both a slider and a plot"
+    before = lab.shot(f"{name}-cell{target['index']}-slider-before", target["index"])
+    cell = lab.page.locator(".jp-Notebook .jp-Cell").nth(target["index"])
+    handle = cell.locator(".widget-slider .noUi-handle").first
+    handle.scroll_into_view_if_needed()
+    box = handle.bounding_box()
+    assert box is not None
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    lab.page.mouse.move(x, y)
+    lab.page.mouse.down()
+    lab.page.mouse.move(x + 60, y, steps=8)
+    lab.page.mouse.up()
+    deadline = time.monotonic() + 60
+    while lab.cells()[target["index"]]["images"] == target["images"]:
+        assert time.monotonic() < deadline, f"{name}: plot did not change after moving the slider"
+        time.sleep(0.3)
+    time.sleep(1.0)  # let the redraw settle before the screenshot
+    after = lab.shot(f"{name}-cell{target['index']}-slider-after", target["index"])
+    assert before.read_bytes() != after.read_bytes()
+    return before, after
+
+
+def test_fixture_checks_can_fail(lab: LabPage) -> None:
+    """The checks on a fixture: live plot and slider work, its deliberate error is caught."""
+    lab.open("zz_fixture.ipynb")
+    plots = run_and_watch(lab, "fixture", timeout_s=180)
+    lab.shot("fixture-page")
+    cells = lab.cells()
+    assert _errors(cells) == [f"cell {len(cells) - 1}: RuntimeError: fixture failure"]
+    _assert_live_plot(plots, "fixture")
+    assert _widget_failures(cells) == []
+    assert sum(c["widgets"] for c in cells) > 0
+    _drag_first_slider(lab, "fixture")
+    # the widget check sees a text fallback, as when the widget manager is missing
+    assert _widget_failures([{**cells[0], "text": "interactive(children=(FloatSlider(v"}])
+
+
+@pytest.mark.parametrize(
+    ("notebook", "slider"),
+    [("02_toy_grpo_ring.ipynb", False), ("03_grpo_objective.ipynb", True)],
+)
+def test_notebook_in_jupyterlab(lab: LabPage, notebook: str, slider: bool) -> None:
+    if not (REPO / "notebooks" / notebook).exists():
+        pytest.fail(f"notebooks/{notebook} does not exist yet")
+    name = notebook.split("_")[0]
+    lab.open(notebook)
+    plots = run_and_watch(lab, name, timeout_s=600)
+    lab.shot(f"{name}-page")
+    cells = lab.cells()
+    assert _errors(cells) == [], f"{notebook}: cells show errors"
+    assert _widget_failures(cells) == [], f"{notebook}: widgets did not render"
+    if not slider:
+        _assert_live_plot(plots, name)
+        assert sum(c["widgets"] for c in cells) > 0, f"{notebook}: no widget rendered"
+    else:
+        before, after = _drag_first_slider(lab, name)
+        print(f"[browser] {name}: slider moved: {before.name}, {after.name}")
+        assert _errors(lab.cells()) == [], f"{notebook}: moving the slider raised"

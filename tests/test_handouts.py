@@ -1,0 +1,156 @@
+"""Handouts: student copies without solutions, executed HTML pages with plots, index, PDF.
+
+The builder runs once on two fixture notebooks (one good, one failing) written to tmp_path;
+the course notebooks in notebooks/ are checked for the conventions the builder relies on
+(exercise/solution tags, the stated runtime) without executing them — `make handouts` does that.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from browser_helpers import FIXTURE_SOLUTION, fixture_notebook
+
+from grpo_nb import handouts
+from grpo_nb.handouts_render import WIDGET_VIEW
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+OUTPUT_IMAGE = re.compile(
+    r'<div class="jp-RenderedImage[^>]*>\s*<img[^>]*src="data:image/png;base64,'
+)
+
+
+def _md(text: str) -> nbformat.NotebookNode:
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
+
+
+def _tagged(*specs: tuple[str, str]) -> nbformat.NotebookNode:
+    """A notebook of code/markdown cells with one tag each ("" = untagged)."""
+    cells = []
+    for kind, tag in specs:
+        cell = (
+            nbformat.v4.new_code_cell("x = 1")
+            if kind == "code"
+            else nbformat.v4.new_markdown_cell("q")
+        )
+        if tag:
+            cell.metadata["tags"] = [tag]
+        cells.append(cell)
+    return nbformat.v4.new_notebook(cells=cells)
+
+
+def test_parse_runtime_reads_the_agreed_line() -> None:
+    rt = handouts.parse_runtime(_md("# T\n\nLearn things.\n\n**Time:** smoke ~1 min · full ~5 min"))
+    assert rt == handouts.Runtime(smoke="~1 min", full="~5 min")
+    rt = handouts.parse_runtime(_md("**Time**: smoke: 30 s, full: 10–15 min"))
+    assert rt == handouts.Runtime(smoke="30 s", full="10–15 min")
+    assert handouts.parse_runtime(_md("# T\n\nno runtime here")) is None
+    assert handouts.parse_runtime(_md("**Time:** about 5 min")) is None  # both modes required
+
+
+def test_exercise_pairing_rules() -> None:
+    ok_interleaved = _tagged(("markdown", "exercise"), ("code", "exercise"), ("code", "solution"))
+    ok_at_end = _tagged(
+        ("code", "exercise"), ("code", "exercise"), ("code", "solution"), ("code", "solution")
+    )
+    assert handouts.exercise_problems(ok_interleaved) == []
+    assert handouts.exercise_problems(ok_at_end) == []
+    missing = handouts.exercise_problems(
+        _tagged(("code", "exercise"), ("code", "exercise"), ("code", "solution"))
+    )
+    assert any("2 exercise code cells but 1 solution" in p for p in missing)
+    early = handouts.exercise_problems(_tagged(("code", "solution"), ("code", "exercise")))
+    assert any("comes before" in p for p in early)
+    talk_only = handouts.exercise_problems(_tagged(("markdown", "exercise"), ("code", "")))
+    assert talk_only == ["exercises without any solution cell after them"]
+
+
+def test_student_copy_drops_solutions_and_outputs() -> None:
+    nb = fixture_notebook()
+    nb.cells[2].outputs = [nbformat.v4.new_output("stream", text="leaked output")]
+    student = handouts.student_copy(nb)
+    text = "\n".join(c.source for c in student.cells)
+    assert FIXTURE_SOLUTION not in text and "TODO: your code here" in text
+    assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
+    assert len(student.cells) == len(nb.cells) - 1
+    # the leak detector sees a solution pasted into an untagged cell
+    student.cells.append(nbformat.v4.new_code_cell(f"def double(x):\n    {FIXTURE_SOLUTION}"))
+    assert handouts.solution_leaks(nb, student) == [FIXTURE_SOLUTION]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+    """One build of two fixture notebooks (a good one and a failing one), with the PDF."""
+    src, out = tmp_path_factory.mktemp("nbs"), tmp_path_factory.mktemp("handouts")
+    nbformat.write(fixture_notebook(steps=3), src / "01_fixture.ipynb")
+    nbformat.write(fixture_notebook(steps=1, fail=True), src / "02_broken.ipynb")
+    nbformat.write(fixture_notebook(), src / "notes.ipynb")  # not NN_*: not a course notebook
+    rc = handouts.cli(
+        ["--notebooks", str(src), "--out", str(out), "--pdf", "--cell-timeout", "120"]
+    )
+    return rc, out
+
+
+def test_build_writes_student_copies_without_solutions(built: tuple[int, Path]) -> None:
+    _, out = built
+    assert sorted(p.name for p in (out / "student").iterdir()) == [
+        "01_fixture.ipynb",
+        "02_broken.ipynb",
+    ]
+    student = nbformat.read(out / "student" / "01_fixture.ipynb", as_version=4)
+    raw = (out / "student" / "01_fixture.ipynb").read_text()
+    assert "2 * x" not in raw and "secret solution" not in raw
+    assert [handouts.cell_tags(c) for c in student.cells].count({"exercise"}) == 2
+
+
+def test_build_pages_show_final_plots_as_images(built: tuple[int, Path]) -> None:
+    _, out = built
+    page = (out / "html" / "01_fixture.html").read_text()
+    # the live plot's last frame ("step 2") and the plot drawn inside the slider's Output widget
+    assert len(OUTPUT_IMAGE.findall(page)) == 2
+    assert "[eps: 0.2]" in page  # the slider, as static text
+    assert WIDGET_VIEW not in page and "Loading widget" not in page
+    assert "self-check passed" in page
+    assert "secret solution" not in page  # pages leave solutions out unless --solutions
+
+
+def test_build_index_lists_pages_in_order_with_runtimes(built: tuple[int, Path]) -> None:
+    rc, out = built
+    assert rc == 1  # one notebook failed
+    index = (out / "index.html").read_text()
+    assert index.index('href="html/01_fixture.html"') < index.index('href="html/02_broken.html"')
+    assert index.count("smoke ~1 min · full ~2 min") == 2
+    assert "FAILED: CellExecutionError: RuntimeError: fixture failure" in index
+    assert "notes.html" not in index
+    broken = (out / "html" / "02_broken.html").read_text()
+    assert "fixture failure" in broken  # the page shows the traceback
+
+
+def test_build_prints_one_pdf(built: tuple[int, Path]) -> None:
+    _, out = built
+    pdf = (out / handouts.PDF_NAME).read_bytes()
+    assert pdf.startswith(b"%PDF-")
+    assert len(re.findall(rb"/Type\s*/Page\b", pdf)) >= 2  # the second notebook starts a page
+    assert len(re.findall(rb"/Subtype\s*/Image", pdf)) >= 2
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_course_notebook_conventions(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    assert handouts.parse_runtime(nb) is not None, (
+        "opening markdown needs a line like '**Time:** smoke ~1 min · full ~5 min'"
+    )
+    assert any("exercise" in handouts.cell_tags(c) for c in nb.cells), "no cell tagged exercise"
+    assert handouts.exercise_problems(nb) == []
+    student = handouts.student_copy(nb)
+    assert handouts.solution_leaks(nb, student) == []
+    # a solution left untagged would reach students: flag headings/comments that announce one
+    announced = [
+        c.source[:60]
+        for c in student.cells
+        if re.search(r"^\s*(#+\s*|\*\*)solution", c.source, re.IGNORECASE | re.MULTILINE)
+    ]
+    assert announced == [], f"untagged cells announce a solution: {announced}"

@@ -1,0 +1,229 @@
+"""The LLM ring: config validation, the trainer's step and checkpoints, and real runs.
+
+Runs use a randomly initialised tiny Qwen3 (weights, schedule, sync and shutdown are what is
+tested here; learning is measured by ``python -m grpo_nb train``, see the report). Server
+starts: one shared by the ring tests, one owned by ``train()`` in the kill test, one by the
+CLI test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_nb.llm_config import LLMConfig
+from grpo_nb.llm_trainer import PolicyTrainer, ScoredGroup, make_batch
+
+# ── config ──
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"group_size": 1}, "group_size"),
+    ({"max_inflight": 4, "group_size": 8}, "max_inflight"),
+    ({"max_staleness": -1}, "max_staleness"),
+    ({"prompts_per_step": 6, "grad_accum": 4}, "prompts_per_step"),
+    ({"mode": "turbo"}, "mode"),
+    ({"loss_agg": "sum"}, "loss_agg"),
+    ({"steps": 0}, "steps"),
+    ({"lr": 0.0}, "lr"),
+])
+def test_bad_config_names_the_field(changes: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LLMConfig(**changes)
+
+
+def test_smoke_preset_is_smaller_and_valid() -> None:
+    full, smoke = LLMConfig(), LLMConfig.smoke()
+    assert smoke.steps < full.steps and smoke.eval_size <= full.eval_size
+    assert LLMConfig(**{**full.to_dict(), "mode": "sync"}).sync.transport == "gloo"
+
+
+# ── trainer, no server ──
+
+
+@pytest.fixture(scope="module")
+def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    out = tmp_path_factory.mktemp("random-tiny-qwen3")
+    build_model(TinyModelConfig(), tok).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _group(prompt: list[int], completions: list[list[int]], rewards: list[float],
+           version: int = 0) -> ScoredGroup:
+    from grpo_nb.grpo import group_advantages
+
+    return ScoredGroup(prompt_ids=prompt, answer="", completions=completions,
+                       sampler_logprobs=[[-1.0] * len(c) for c in completions],
+                       finish_reasons=["stop"] * len(completions), texts=[""] * len(completions),
+                       version=version, rewards=rewards,
+                       advantages=group_advantages(torch.tensor(rewards), len(rewards)).tolist())
+
+
+def test_make_batch_pads_and_masks_only_completion_tokens() -> None:
+    g = _group([3, 4, 5], [[6, 1], [7, 8, 1]], [1.0, 0.0])
+    b = make_batch([g], pad_id=0)
+    assert b.input_ids.tolist() == [[3, 4, 5, 6, 1, 0], [3, 4, 5, 7, 8, 1]]
+    # position t predicts token t+1: completion tokens sit at 3.. → mask from index 2
+    assert b.loss_mask.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    assert b.sampler_logprobs[0].tolist() == [0, 0, -1, -1, 0]
+    assert b.advantages.tolist()[0] > 0 > b.advantages.tolist()[1]
+
+
+def test_trainer_step_moves_probability_towards_rewarded_completion(random_model_dir) -> None:
+    from grpo_nb.llm_trainer import sequence_logprobs
+    from grpo_nb.tiny_model import load_hf
+
+    model, tok = load_hf(random_model_dir)
+    cfg = LLMConfig(prompts_per_step=2, group_size=2, grad_accum=2, lr=1e-2,
+                    ratio_against="trainer")
+    pt = PolicyTrainer(model, tok, cfg)
+    good, bad = [6, 7, 1], [8, 9, 1]
+    groups = [_group([3, 4, 5], [good, bad], [1.0, 0.0]), _group([3, 4, 5], [bad, good],
+                                                                  [0.0, 1.0])]
+    b = make_batch(groups[:1], tok.pad_token_id)
+
+    def margin() -> float:
+        with torch.no_grad():
+            lp = (sequence_logprobs(model, b.input_ids, b.attention_mask, 1.0) * b.loss_mask)
+        return float(lp[0].sum() - lp[1].sum())
+
+    before = margin()
+    for _ in range(3):
+        row = pt.step(groups)
+    assert margin() > before + 0.1
+    assert row["step"] == 3 and row["reward"] == 0.5 and row["grad_norm"] > 0
+
+
+def test_checkpoint_round_trip(random_model_dir, tmp_path: Path) -> None:
+    from grpo_nb.tiny_model import load_hf
+
+    model, tok = load_hf(random_model_dir)
+    cfg = LLMConfig(prompts_per_step=1, group_size=2, ratio_against="trainer")
+    pt = PolicyTrainer(model, tok, cfg)
+    pt.step([_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])])
+    pt.save(tmp_path / "ckpt", {"dropped": 3})
+    other = PolicyTrainer(load_hf(random_model_dir)[0], tok, cfg)
+    saved = other.load(tmp_path / "ckpt")
+    assert saved["dropped"] == 3 and other.step_count == 1
+    for a, b in zip(model.parameters(), other.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert other.opt.state_dict()["state"].keys() == pt.opt.state_dict()["state"].keys()
+
+
+# ── real runs ──
+
+SMALL = {"steps": 4, "generators": 2, "prompts_per_step": 4, "group_size": 4,
+         "max_inflight": 4, "eval_every": 2, "eval_size": 100, "checkpoint_every": 2,
+         "time_budget_s": 120.0}
+
+
+@pytest.fixture(scope="module")
+def ring_server(random_model_dir: Path) -> Iterator[object]:
+    pytest.importorskip("vllm")
+    from grpo_nb.llm import start_server
+
+    server = start_server(str(random_model_dir), LLMConfig(), progress=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _overlaps(rec, a: str, b: str) -> float:
+    """Total seconds during which an ``a`` interval and a ``b`` interval overlap."""
+    busy = rec.rows("busy")
+    xs = [(r["start"], r["end"]) for r in busy if r["label"] == a]
+    ys = [(r["start"], r["end"]) for r in busy if r["label"] == b]
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in xs for s2, e2 in ys)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_async_and_sync_modes_run_verify_and_schedule_differently(
+        ring_server, random_model_dir, tmp_path: Path, monkeypatch) -> None:
+    from grpo_nb.llm import train
+    from grpo_nb.metrics import load_metrics
+
+    monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
+    results = {}
+    for mode in ("async", "sync"):
+        cfg = LLMConfig(mode=mode, **SMALL)
+        results[mode] = asyncio.run(train(cfg, model_dir=random_model_dir, name=mode,
+                                          server=ring_server, smoke=True, progress=False))
+    for mode, r in results.items():
+        assert r.steps == 4 and r.weights_verified, (mode, r)
+        assert 0.0 <= r.accuracy_after <= 1.0 and r.sync_ms_mean > 0
+        rec = load_metrics(tmp_path / mode)
+        assert [row["step"] for row in rec.rows("step")] == [1, 2, 3, 4]
+        assert max(s for row in rec.rows("step") for s in row["staleness"]) <= 2
+        assert (tmp_path / mode / "checkpoint" / "model.safetensors").is_file()
+    assert _overlaps(load_metrics(tmp_path / "sync"), "generate", "train") == 0.0
+    assert _overlaps(load_metrics(tmp_path / "async"), "generate", "train") > 0.0
+    assert results["sync"].staleness_mean == 0.0
+
+    # resume: continue the async run to 6 steps from its checkpoint
+    from grpo_nb.llm import train as train_again
+
+    cfg = LLMConfig(mode="async", **{**SMALL, "steps": 6})
+    r = asyncio.run(train_again(cfg, model_dir=random_model_dir, resume=tmp_path / "async",
+                                server=ring_server, smoke=True, progress=False))
+    steps = [row["step"] for row in load_metrics(tmp_path / "async").rows("step")]
+    assert steps == [1, 2, 3, 4, 5, 6] and r.weights_verified
+    state = json.loads((tmp_path / "async" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 6
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_killing_the_server_ends_the_run_with_a_clear_error(random_model_dir, tmp_path,
+                                                             monkeypatch) -> None:
+    from grpo_nb import serving
+    from grpo_nb.llm import RunAborted, train
+
+    monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
+    killed_at: list[float] = []
+
+    def on_event(kind: str, rec) -> None:
+        if kind == "step" and not killed_at:
+            for p in serving.find_server_processes():
+                p.kill()
+            killed_at.append(time.monotonic())
+
+    cfg = LLMConfig(**{**SMALL, "steps": 50})
+    with pytest.raises(RunAborted, match="vLLM server"):
+        asyncio.run(train(cfg, model_dir=random_model_dir, name="kill", on_event=on_event,
+                          smoke=True, progress=False))
+    assert killed_at and time.monotonic() - killed_at[0] < 30
+    assert serving.find_server_processes() == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_cli_prints_a_json_summary_last_and_leaves_no_server(random_model_dir, tmp_path) -> None:
+    env = {**os.environ, "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "grpo_nb", "train", "--smoke", "--steps", "3",
+                           "--model", str(random_model_dir), "--name", "cli", "--mode", "sync"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("steps", "accuracy_before", "accuracy_after", "wall_s", "sync_ms_mean",
+                "stale_dropped", "weights_verified"):
+        assert key in summary
+    assert summary["steps"] == 3 and summary["weights_verified"] is True
+    assert (tmp_path / "cli" / "dashboard.png").is_file()
+    leftover = subprocess.run(["pgrep", "-f", f"vllm.*{random_model_dir}"], capture_output=True,
+                              text=True).stdout.split()
+    assert leftover == []
