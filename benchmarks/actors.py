@@ -128,6 +128,13 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _finite(x: Any) -> Any:
+    """NaN (no latency measured) is not JSON: write null."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    return None if isinstance(x, float) and x != x else x
+
+
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=2000, help="messages per measurement")
@@ -137,7 +144,7 @@ def cli(argv: list[str] | None = None) -> int:
     with_monarch = not args.no_monarch and actors.monarch_available()
     res = asyncio.run(main(args.n, args.ring_steps, with_monarch))
     print(table(res))
-    print(json.dumps(res, default=lambda x: None if x != x else x))
+    print(json.dumps(_finite(res)))
     return 0
 
 

@@ -27,6 +27,7 @@ Conventions
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -230,10 +231,6 @@ def _check_same(name: str, t: Tensor | None, shape: torch.Size) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
-def _token_mean(x: Tensor, m: Tensor) -> float:
-    return float(aggregate(x.detach(), m, "token-mean"))
-
-
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -321,17 +318,23 @@ def policy_loss(
 
     with torch.no_grad():
         r = ratio.detach()
-        any_valid = bool(valid.any())
-        metrics = {
-            "loss": float(loss.detach()),
-            "pg_loss": float(aggregate(pg_tok.detach(), m, loss_agg, max_tokens)),
-            "kl": _token_mean(kl_tok, m),
-            "clip_frac_low": _token_mean(((r < 1.0 - clip_low) & (adv < 0)).float(), m),
-            "clip_frac_high": _token_mean(((r > 1.0 + clip_high) & (adv > 0)).float(), m),
-            "ratio_mean": _token_mean(r, m),
-            "ratio_max": float(r[valid].max()) if any_valid else 1.0,
-            "ratio_min": float(r[valid].min()) if any_valid else 1.0,
-            "tis_weight_mean": _token_mean(weight, m),
-            "tis_frac_capped": _token_mean((weight >= (tis_cap or float("inf"))).float(), m),
+        one = torch.ones((), device=r.device)
+        capped = weight >= tis_cap if tis_cap is not None else torch.zeros_like(valid)
+        values = {
+            "loss": loss.detach(),
+            "pg_loss": aggregate(pg_tok.detach(), m, loss_agg, max_tokens),
+            "kl": aggregate(kl_tok.detach(), m),
+            "clip_frac_low": aggregate(((r < 1.0 - clip_low) & (adv < 0)).float(), m),
+            "clip_frac_high": aggregate(((r > 1.0 + clip_high) & (adv > 0)).float(), m),
+            "ratio_mean": aggregate(r, m),
+            "ratio_max": torch.where(valid, r, -torch.inf).max() if r.numel() else one,
+            "ratio_min": torch.where(valid, r, torch.inf).min() if r.numel() else one,
+            "tis_weight_mean": aggregate(weight, m),
+            "tis_frac_capped": aggregate(capped.float(), m),
         }
+        # one device-to-host copy for all metrics, not one sync per value
+        stacked = torch.stack([v.float().reshape(()) for v in values.values()]).tolist()
+        metrics = dict(zip(values, stacked, strict=True))
+        if math.isinf(metrics["ratio_max"]):  # no unmasked token at all
+            metrics["ratio_max"] = metrics["ratio_min"] = 1.0
     return loss, metrics

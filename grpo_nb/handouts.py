@@ -54,6 +54,12 @@ SOLUTION_TAG = "solution"
 PDF_NAME = "grpo-notebooks.pdf"
 _RUNTIME_LINE = re.compile(r"\*\*Time:?\*\*:?\s*(?P<text>.+)", re.IGNORECASE)
 _RUNTIME_PART = re.compile(r"(?P<mode>smoke|full)\s*:?\s*(?P<value>[~≈<>]?\s*\d[^·|,;]*)", re.I)
+# also accepted: "about 15 s to run in smoke mode, about 20 s in full mode"
+_RUNTIME_PART_AFTER = re.compile(
+    r"(?P<value>(?:about\s+|[~≈<>]\s*)?\d[\d.–-]*\s*(?:s|sec\w*|min\w*|h\w*))\s+"
+    r"(?:to run\s+)?in\s+(?P<mode>smoke|full)\b",
+    re.I,
+)
 _NOTEBOOK_NAME = re.compile(r"^\d\d_.+\.ipynb$")
 
 
@@ -113,14 +119,18 @@ def find_notebooks(folder: Path, only: tuple[str, ...] = ()) -> list[Path]:
 
 
 def parse_runtime(nb: NotebookNode) -> Runtime | None:
-    """The ``**Time:** smoke ~1 min · full ~5 min`` line of the opening markdown, if any."""
+    """The ``**Time:** smoke ~1 min · full ~5 min`` line of the opening markdown, if any.
+
+    "about 15 s in smoke mode, about 20 s in full mode" on that line is read too.
+    """
     first = next((c for c in nb.cells if c.cell_type == "markdown"), None)
     if first is None:
         return None
     for line in first.source.splitlines():
         if m := _RUNTIME_LINE.search(line):
+            found = [*_RUNTIME_PART_AFTER.finditer(m["text"]), *_RUNTIME_PART.finditer(m["text"])]
             parts = {
-                p["mode"].lower(): p["value"].strip() for p in _RUNTIME_PART.finditer(m["text"])
+                p["mode"].lower(): re.sub(r"^about\s+", "~", p["value"].strip()) for p in found
             }
             if "smoke" in parts and "full" in parts:
                 return Runtime(smoke=parts["smoke"], full=parts["full"])

@@ -184,7 +184,9 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
                 stop: Any = None, backend: str = "asyncio", smoke: bool | None = None,
                 progress: bool = True) -> RunResult:
     """Run GRPO on the LLM end to end; writes ``runs/<name>/``. See module docstring."""
-    from grpo_nb.tiny_model import TinyModelConfig, build_or_load, load_hf
+    from transformers import AutoTokenizer
+
+    from grpo_nb.tiny_model import TinyModelConfig, build_or_load
 
     smoke = smoke_mode() if smoke is None else smoke
     if model_dir is None:
@@ -198,8 +200,7 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
         run_dir = runs_dir() / (name or f"llm-{cfg.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     rec = MetricsRecorder(run_dir, append=resume is not None)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
-    _, tok = load_hf(model_dir)
-    prompts, eval_set = load_prompts(tok, smoke)
+    prompts, eval_set = load_prompts(AutoTokenizer.from_pretrained(model_dir), smoke)
     if cfg.eval_size < len(eval_set[0]):
         eval_set = (eval_set[0][:cfg.eval_size], eval_set[1][:cfg.eval_size])
     own = server is None

@@ -114,8 +114,8 @@ class LLMConfig:
     @classmethod
     def smoke(cls) -> LLMConfig:
         """A few minutes on 2 shared cores: fewer steps, smaller evaluation."""
-        return cls(steps=40, time_budget_s=150.0, eval_every=10, eval_size=500,
-                   checkpoint_every=20)
+        return cls(steps=30, time_budget_s=90.0, eval_every=10, eval_size=500,
+                   checkpoint_every=15)
 
     @property
     def batch_size(self) -> int:

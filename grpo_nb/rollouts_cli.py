@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
     result = {**summarize(groups, seconds),
               "max_abs_logprob_diff": agreement["max_abs_diff"],
               "logprob_tolerance": agreement["tolerance"],
-              "failed_requests": stats.failed, "startup_s": server.startup_seconds,
+              "failed_requests": stats.failed, "startup_s": server.startup_seconds, "server_id": server.server_id,
               "model": model}
     print(json.dumps(result))
     return 0 if agreement["max_abs_diff"] <= agreement["tolerance"] and not stats.failed else 1

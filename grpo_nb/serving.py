@@ -335,10 +335,8 @@ class VLLMServer:
         for p in stragglers:  # children that left the group (none expected) get it too
             with contextlib.suppress(psutil.Error):
                 p.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
         _, alive = psutil.wait_procs(stragglers, timeout=max(1.0, timeout / 4))
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)

@@ -96,7 +96,8 @@ class ToyConfig:
     @classmethod
     def smoke(cls) -> ToyConfig:
         """Small enough for CI (a few seconds), large enough to learn visibly."""
-        return cls(steps=80, gen_delay_s=0.005)
+        # gen_delay_s keeps the notebook's live run going for a few seconds even on fast CPUs.
+        return cls(steps=100, gen_delay_s=0.03)
 
     @property
     def optimum(self) -> float:

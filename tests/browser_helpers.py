@@ -42,7 +42,7 @@ def fixture_notebook(steps: int = 5, fail: bool = False) -> nbformat.NotebookNod
     v4 = nbformat.v4
     cells = [
         v4.new_markdown_cell(
-            "# Fixture: a live plot and a slider\n\nWhat you will learn: nothing new.\n\n"
+            "# Fixture: a live plot and a slider\n\nWhat you will learn: that $\\sqrt{x^2} = |x|$.\n\n"
             "**Time:** smoke ~1 min · full ~2 min"
         ),
         v4.new_code_cell(

@@ -34,7 +34,7 @@ from browser_helpers import (
 
 from grpo_nb.handouts_render import CHROMIUM_ARGS, chromium_executable
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "build" / "browser"

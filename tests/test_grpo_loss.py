@@ -254,3 +254,13 @@ def test_seed_sign_error_does_the_opposite():
 
     delta, adv = _bigram_step(seed_loss)
     assert (delta[adv > 0] < 0).all() and (delta[adv < 0] > 0).all()
+
+
+def test_per_token_advantages_and_empty_mask():
+    g = torch.Generator().manual_seed(5)
+    logp, old = torch.randn(3, 4, generator=g) * 0.2, torch.randn(3, 4, generator=g) * 0.2
+    adv, mask = torch.tensor([1.0, -1.0, 0.5]), torch.ones(3, 4)
+    broadcast, _ = policy_loss(logp, old, adv[:, None].expand(3, 4), mask)
+    assert broadcast.item() == pytest.approx(policy_loss(logp, old, adv, mask)[0].item())
+    empty, m = policy_loss(logp, old, adv, torch.zeros(3, 4))
+    assert empty.item() == 0.0 and m["ratio_max"] == 1.0 and m["clip_frac_low"] == 0.0

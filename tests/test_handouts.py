@@ -47,6 +47,10 @@ def test_parse_runtime_reads_the_agreed_line() -> None:
     assert rt == handouts.Runtime(smoke="~1 min", full="~5 min")
     rt = handouts.parse_runtime(_md("**Time**: smoke: 30 s, full: 10–15 min"))
     assert rt == handouts.Runtime(smoke="30 s", full="10–15 min")
+    rt = handouts.parse_runtime(
+        _md("**Time:** about 15 s to run in smoke mode, 2 min in full mode")
+    )
+    assert rt == handouts.Runtime(smoke="~15 s", full="2 min")
     assert handouts.parse_runtime(_md("# T\n\nno runtime here")) is None
     assert handouts.parse_runtime(_md("**Time:** about 5 min")) is None  # both modes required
 
@@ -135,6 +139,8 @@ def test_build_prints_one_pdf(built: tuple[int, Path]) -> None:
     assert pdf.startswith(b"%PDF-")
     assert len(re.findall(rb"/Type\s*/Page\b", pdf)) >= 2  # the second notebook starts a page
     assert len(re.findall(rb"/Subtype\s*/Image", pdf)) >= 2
+    # formulas typeset offline by Debian's MathJax (libjs-mathjax, installed by the Makefile)
+    assert b"MathJax_Main" in pdf
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

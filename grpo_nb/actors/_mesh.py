@@ -195,6 +195,9 @@ class _Cell:
                     msg.reply.set_exception(ActorError(err, f"{self.name}.{msg.method}: result cannot be sent"))
             else:
                 msg.reply.set_exception(error)
+                if isinstance(error.exception, asyncio.CancelledError):
+                    # Stopped by its owner: an unawaited future of it is not a lost error.
+                    msg.reply.exception()
         elif error is not None and not isinstance(error.exception, asyncio.CancelledError):
             _unhandled.append(error)
             log.error("unhandled error in fire-and-forget %s.%s\n%s", self.name, msg.method, error)

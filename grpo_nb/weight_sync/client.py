@@ -1,7 +1,8 @@
 """The trainer's HTTP control plane to one vLLM server (dev-mode routes, loopback only).
 
-vLLM's own :class:`HTTPVLLMWeightSyncClient` covers the four weight-transfer routes that the
-trainer engines call; this subclass adds the routes around them::
+vLLM's trainer engines drive a server through four calls (its ``VLLMWeightSyncClient``
+protocol, as in vLLM's own ``HTTPVLLMWeightSyncClient``); this client implements them and adds
+the routes around them::
 
     WeightSyncer ──► VLLMControlClient ──HTTP──► /pause?mode=…  /resume
                           │                       /init_weight_transfer_engine, /start_…,
@@ -17,24 +18,49 @@ from __future__ import annotations
 
 from typing import Any
 
-import requests
-from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
 
 class WeightSyncError(RuntimeError):
     """A weight sync (or its verification) failed; the trainer's version must not advance."""
 
 
-class VLLMControlClient(HTTPVLLMWeightSyncClient):
-    """vLLM's HTTP weight-sync client plus pause / resume / RPC / version routes."""
+class VLLMControlClient:
+    """vLLM's weight-sync client protocol over HTTP, plus pause / resume / RPC / version.
+
+    It implements vLLM's ``VLLMWeightSyncClient`` protocol (structural: the four methods
+    below) without importing vLLM, so the trainer side also loads where vLLM is absent.
+    """
 
     def __init__(self, base_url: str, timeout: float = 60.0) -> None:
-        super().__init__(base_url, timeout=timeout)
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
 
-    def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
-        self._request("POST", path, json=json)
+    # ── vLLM's VLLMWeightSyncClient protocol ──
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._request("POST", "init_weight_transfer_engine", json={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._request("POST", "start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        from vllm.distributed.weight_transfer.clients import _json_safe_update_payload
+
+        # CUDA-IPC handles are not JSON: vLLM's helper pickles them (ipc engine only).
+        self._request("POST", "update_weights",
+                      json={"update_info": _json_safe_update_payload(update_info)})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        self._request("POST", "finish_weight_update", json=body)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._request("POST", "shutdown_weight_transfer_engine")
+
+    # ── the routes around them ──
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        import requests
+
         url = f"{self.base_url}/{path.lstrip('/')}"
         try:
             response = requests.request(method, url, timeout=self.timeout, **kwargs)

@@ -7,7 +7,8 @@ vLLM's own weight-update flow and sets a new weight version on the server::
       ├─ /pause?mode=keep|wait|abort      (why pause: no token is sampled from half-new weights)
       ├─ transport
       │    gloo   : vLLM WeightTransferTrainerFactory → our gloo engine (start/update/finish)
-      │    nccl   : the same factory → vLLM's NCCL engine (GPU trainer and GPU server)
+      │    nccl   : the same factory → vLLM's NCCL engine (trainer and server on 2 GPUs)
+      │    ipc    : the same factory → vLLM's CUDA-IPC engine (trainer and server share a GPU)
       │    reload : save safetensors → /collective_rpc reload_weights(weights_path=DIR)
       ├─ weight version := str(version)
       ├─ /resume                          (always, in ``finally``)
@@ -37,7 +38,7 @@ import torch
 
 from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError
 
-Transport = Literal["gloo", "reload", "nccl"]
+Transport = Literal["gloo", "reload", "nccl", "ipc"]
 PauseMode = Literal["keep", "wait", "abort"]
 EXTENSION = "grpo_nb.weight_sync.worker.GrpoWorkerExtension"
 
@@ -47,7 +48,8 @@ class WeightSyncConfig:
     """How weights travel to the server.
 
     Args:
-        transport: ``gloo`` (CPU, our engine), ``reload`` (CPU, from disk), ``nccl`` (GPU).
+        transport: ``gloo`` (CPU, our engine), ``reload`` (CPU, from disk), ``nccl`` (GPU,
+            one per side) or ``ipc`` (GPU shared by trainer and server).
         pause_mode: what happens to in-flight requests during a sync (see module docstring).
         verify: after each sync, check that the served weights equal the trainer's.
         chunk_mb: packed buffer size on the wire (gloo).
@@ -60,15 +62,15 @@ class WeightSyncConfig:
     pause_mode: PauseMode = "keep"
     verify: bool = True
     chunk_mb: int = 64
-    timeout_s: float = 60.0
+    timeout_s: float = 20.0
     atol: float = 1e-4
     probe_batch: int = 4
     probe_len: int = 32
 
     def __post_init__(self) -> None:
-        if self.transport not in ("gloo", "reload", "nccl"):
+        if self.transport not in ("gloo", "reload", "nccl", "ipc"):
             raise ValueError(f"WeightSyncConfig.transport={self.transport!r}: "
-                             "use 'gloo', 'reload' or 'nccl'")
+                             "use 'gloo', 'reload', 'nccl' or 'ipc'")
         if self.pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"WeightSyncConfig.pause_mode={self.pause_mode!r}: "
                              "use 'keep', 'wait' or 'abort'")
@@ -83,9 +85,12 @@ class WeightSyncConfig:
 
     def server_settings(self) -> dict[str, Any]:
         """The ``serving.ServerConfig`` fields the server needs for this transport."""
-        backend = {"gloo": {"backend": "gloo"}, "nccl": {"backend": "nccl"}, "reload": None}
-        return {"worker_extension_cls": EXTENSION,
-                "weight_transfer_config": backend[self.transport], "dev_mode": True}
+        backend = None if self.transport == "reload" else {"backend": self.transport}
+        settings: dict[str, Any] = {"worker_extension_cls": EXTENSION,
+                                    "weight_transfer_config": backend, "dev_mode": True}
+        if self.transport == "ipc":  # CUDA-IPC handles travel pickled over HTTP
+            settings["env"] = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+        return settings
 
 
 @dataclass
@@ -138,10 +143,14 @@ class WeightSyncer:
             info: Any = GlooTrainerInitInfo("127.0.0.1", free_port(), 2,
                                             chunk_bytes=self.cfg.chunk_mb << 20,
                                             timeout_s=self.cfg.timeout_s, rank=0)
-        else:
+        elif self.cfg.transport == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
             info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0)
+        else:
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            info = IPCTrainerInitInfo(rank=0)
         try:
             self.engine = WeightTransferTrainerFactory.trainer_init(
                 info, client=self.client, source=ModuleSource(self.model))
@@ -180,8 +189,10 @@ class WeightSyncer:
             if self.cfg.transport == "reload":
                 self._reload(str(version))
             else:
-                self.engine.weight_version = str(version)
+                self.engine.weight_version = str(version)  # ours sends it with "finish"
                 self.engine.send_weights()
+                if self.cfg.transport != "gloo":  # vLLM's engines finish without a version
+                    self.client.set_weight_version(str(version))
         except WeightSyncError:
             raise
         except Exception as err:

