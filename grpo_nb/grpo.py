@@ -266,10 +266,12 @@ def policy_loss(
     (detached); otherwise ``w = 1``.
 
     ``advantages`` is ``[B]`` (broadcast over tokens) or ``[B, T]``. Works for ``T = 1``.
-    Metrics (token-mean over unmasked tokens): ``loss``, ``pg_loss``, ``kl`` (0 without a
-    reference), ``clip_frac_low`` (``r < 1 - clip_low`` and ``A < 0``: the lower clip zeroes the
+    Metrics (floats, read back in one device sync): ``loss`` and ``pg_loss`` (the loss without
+    the KL term), aggregated like the loss; token-means over unmasked tokens of ``kl`` (0 without
+    a reference), ``clip_frac_low`` (``r < 1 - clip_low`` and ``A < 0``: the lower clip zeroes the
     gradient), ``clip_frac_high`` (``r > 1 + clip_high`` and ``A > 0``), ``ratio_mean``,
-    ``ratio_max``, ``ratio_min``, ``tis_weight_mean`` and ``tis_frac_capped`` (1 and 0 when off).
+    ``tis_weight_mean`` and ``tis_frac_capped`` (1 and 0 when off); ``ratio_max`` and
+    ``ratio_min`` over unmasked tokens (1 when there are none).
     """
     shape = logprobs.shape
     if logprobs.dim() != 2:

@@ -41,16 +41,21 @@ from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset
 SPECIALS = ("<pad>", "<eos>", "<unk>")
 CHARS = tuple("0123456789+-= ")
 VOCAB_SIZE = 32
-_FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
+_FORMAT_VERSION = 2  # bump when the build recipe changes, so old caches are not reused
 
 
 @dataclass
 class TinyModelConfig:
     """Architecture, warm-start recipe and task of the tiny model (all part of the cache key).
 
-    The defaults are the calibration in DESIGN.md: ≈ 0.3M parameters, SFT with AdamW lr 3e-3
-    and batch 128 until greedy accuracy on ``eval_size`` test problems reaches ``target_acc``
-    (checked every ``eval_every`` steps), at most ``max_steps`` steps.
+    The architecture is DESIGN.md's calibration (≈ 0.3M parameters). SFT draws a fresh batch
+    of ``batch_size`` problems every step (never a test problem), AdamW with ``lr`` after a
+    linear warm-up of ``warmup_steps``, until greedy accuracy on ``eval_size`` test problems
+    reaches ``target_acc`` (checked every ``eval_every`` steps, and after *every* step once
+    accuracy passes ``dense_eval_from``: it can climb 25 points in ten steps), at most
+    ``max_steps`` steps.
+    Measured: lr 1e-2 with warm-up jumps to ≈ 35 % around step 400; lr 3e-3 without warm-up
+    was still at 0 % after 2,000 steps.
     """
 
     hidden_size: int = 128
@@ -61,10 +66,12 @@ class TinyModelConfig:
     ffn_size: int = 256
     max_position_embeddings: int = 512
     task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
-    lr: float = 3e-3
+    lr: float = 1e-2
+    warmup_steps: int = 100
     batch_size: int = 128
     target_acc: float = 0.30
     eval_every: int = 10
+    dense_eval_from: float = 0.05
     eval_size: int = 256
     max_steps: int = 3_000
     seed: int = 0
@@ -83,6 +90,11 @@ class TinyModelConfig:
             raise ValueError(f"TinyModelConfig.target_acc={self.target_acc}: use 0..1")
         if self.max_steps < 0:
             raise ValueError(f"TinyModelConfig.max_steps={self.max_steps}: must be ≥ 0")
+        if self.task.ops != ("+",):
+            raise ValueError(f"TinyModelConfig.task.ops={self.task.ops}: the warm start "
+                             "supports additions only (fixed-length answers)")
+        if self.warmup_steps < 0:
+            raise ValueError(f"TinyModelConfig.warmup_steps={self.warmup_steps}: must be ≥ 0")
         if self.lr <= 0:
             raise ValueError(f"TinyModelConfig.lr={self.lr}: must be > 0")
 
@@ -180,34 +192,61 @@ def greedy_accuracy(model: Any, prompt_ids: Any, answer_ids: Any, batch: int = 1
     return correct / len(prompt_ids)
 
 
+def _digit_ids(x: Any, n: int, tokenizer: Any) -> Any:
+    """``[B] ints → [B, n]`` token ids of their zero-padded decimal digits."""
+    import torch
+
+    zero = tokenizer.convert_tokens_to_ids("0")  # digits are consecutive ids
+    return torch.stack([(x // 10**k) % 10 for k in reversed(range(n))], dim=1) + zero
+
+
+def _fresh_batch(cfg: TinyModelConfig, tokenizer: Any, gen: Any, excluded: Any) -> tuple[Any, Any]:
+    """A new batch of additions (none from the test split): ``(input_ids, labels)``."""
+    import torch
+
+    d, size = cfg.task.digits, 10**cfg.task.digits
+    a = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
+    b = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
+    keep = ~excluded[a * size + b]
+    a, b = a[keep][: cfg.batch_size], b[keep][: cfg.batch_size]
+    col = lambda tok: torch.full((len(a), 1), tokenizer.convert_tokens_to_ids(tok))  # noqa: E731
+    seqs = torch.cat([_digit_ids(a, d, tokenizer), col("+"), _digit_ids(b, d, tokenizer),
+                      col("="), _digit_ids(a + b, d + 1, tokenizer), col("<eos>")], dim=1)
+    labels = seqs.clone()
+    labels[:, : 2 * d + 2] = -100  # loss on the answer and <eos> only
+    return seqs, labels
+
+
 def _sft(cfg: TinyModelConfig, model: Any, tokenizer: Any, progress: bool) -> dict[str, Any]:
     """Supervised warm start; returns a summary (steps, accuracy, time)."""
     import torch
     from tqdm.auto import tqdm
 
-    data = make_dataset(cfg.task)
-    train_p, train_a = _encode_split(data["train"], tokenizer)
-    test_p, test_a = _encode_split(data["test"], tokenizer)
+    test = make_dataset(cfg.task)["test"]
+    test_p, test_a = _encode_split(test, tokenizer)
     eval_p, eval_a = test_p[: cfg.eval_size], test_a[: cfg.eval_size]
-    seqs = torch.cat([train_p, train_a], dim=1)
-    labels = seqs.clone()
-    labels[:, : train_p.shape[1]] = -100  # loss on the answer and <eos> only
+    size = 10**cfg.task.digits
+    excluded = torch.zeros(size * size, dtype=torch.bool)
+    excluded[torch.tensor(test["a"]) * size + torch.tensor(test["b"])] = True
 
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    warmup = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     model.train()
     t0, acc, step, history = time.perf_counter(), 0.0, 0, []
     bar = tqdm(total=cfg.max_steps, desc="SFT warm start", disable=not progress, leave=False)
     try:
         while step < cfg.max_steps:
-            idx = torch.randint(len(seqs), (cfg.batch_size,), generator=gen)
-            loss = model(input_ids=seqs[idx], labels=labels[idx], use_cache=False).loss
+            seqs, labels = _fresh_batch(cfg, tokenizer, gen, excluded)
+            loss = model(input_ids=seqs, labels=labels, use_cache=False).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            warmup.step()
             step += 1
             bar.update(1)
-            if step % cfg.eval_every == 0:
+            if acc >= cfg.dense_eval_from or step % cfg.eval_every == 0:
                 acc = greedy_accuracy(model, eval_p, eval_a)
                 history.append((step, acc))
                 bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.0%}")

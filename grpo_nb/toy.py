@@ -69,6 +69,10 @@ class ToyConfig:
     max_lag: int | None = 2
     eval_states: int = 512
     backend: Backend = "asyncio"
+    # "per_role": a process mesh per role (K + 3 processes on Monarch, as in Monarch's example);
+    # "shared": generators on one mesh, scorer + reference + trainer share one process (K + 1).
+    # Starting a process costs seconds (Python + torch imports), so "shared" starts faster.
+    layout: Literal["per_role", "shared"] = "per_role"
 
     def __post_init__(self) -> None:
         for name in ("steps", "generators", "group_size", "groups_per_step", "obs_dim", "hidden", "eval_states"):
@@ -90,6 +94,8 @@ class ToyConfig:
             raise ValueError(f"ToyConfig.gen_delay_s must be >= 0, got {self.gen_delay_s}")
         if self.max_lag is not None and self.max_lag < 0:
             raise ValueError(f"ToyConfig.max_lag must be None or >= 0, got {self.max_lag}")
+        if self.layout not in ("per_role", "shared"):
+            raise ValueError(f"ToyConfig.layout must be 'per_role' or 'shared', got {self.layout!r}")
         if self.backend not in ("asyncio", "monarch"):
             raise ValueError(f"ToyConfig.backend must be 'asyncio' or 'monarch', got {self.backend!r}")
 
@@ -233,8 +239,11 @@ async def run_ring(
     dropped = 0
     try:
         host = api.this_host()
-        procs = {role: host.spawn_procs(per_host={"gpus": n}) for role, n in
-                 (("gen", cfg.generators), ("scorer", 1), ("ref", 1), ("trainer", 1))}
+        procs = {"gen": host.spawn_procs(per_host={"gpus": cfg.generators})}
+        if cfg.layout == "per_role":
+            procs.update({role: host.spawn_procs(per_host={"gpus": 1}) for role in ("scorer", "ref", "trainer")})
+        else:
+            procs["scorer"] = procs["ref"] = procs["trainer"] = host.spawn_procs(per_host={"gpus": 1})
         metrics, inbox = api.Channel.open()
         trainer = procs["trainer"].spawn("trainer", ring.Trainer, cfg, metrics)
         meshes.append(trainer)
@@ -244,7 +253,7 @@ async def run_ring(
         meshes += [scorer, reference]
         gens = procs["gen"].spawn("generators", ring.Generator, cfg, weights, await scorer.inlet.call_one(), metrics)
         meshes.insert(0, gens)
-        meshes += list(procs.values())
+        meshes += list({id(p): p for p in procs.values()}.values())
         await trainer.start.call_one(gens)
         await reference.start.call_one(await trainer.inlet.call_one())
         await scorer.start.call_one(await reference.inlet.call_one())

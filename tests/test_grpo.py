@@ -52,8 +52,11 @@ def test_std_scaling_difficulty_bias():
 
 
 def test_zero_std_groups_get_exact_zero():
-    # 0.1 is not exact in binary: a naive (r - mean) / (std + eps) gives rounding noise / eps.
-    rewards = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.0, 1.0, 0.5])
+    # In float32 mean([0.9, 0.9, 0.9]) != 0.9: a naive (r - mean) / (std + eps) turns that
+    # rounding error into advantages of ±0.06.
+    rewards = torch.tensor([0.9, 0.9, 0.9, 0.7, 0.7, 0.7, 0.0, 1.0, 0.5])
+    naive = rewards[:3] - rewards[:3].mean()
+    assert naive.abs().max() > 0  # the float32 trap this guards against is real
     adv = group_advantages(rewards, 3)
     assert torch.equal(adv[:6], torch.zeros(6))
     assert adv[6:].abs().sum() > 0
@@ -130,6 +133,28 @@ def test_token_logprobs_bf16_and_large_vocab():
     assert out.dtype == torch.float32 and out.shape == (2, 3)
     ref = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None])[..., 0]
     torch.testing.assert_close(out, ref)
+
+
+def test_token_logprobs_keeps_no_float32_copy_for_backward():
+    # Autograd must not hold a float32 [rows, V] copy per chunk until backward: checkpointed
+    # chunks save only their (bf16) inputs, which are views of the logits that exist anyway.
+    logits = torch.randn(2, 8, 5000, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, 5000, (2, 8))
+    saved_bytes = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved_bytes
+        saved_bytes += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = token_logprobs(logits, ids, chunk_size=4)
+    logits_bytes = logits.numel() * logits.element_size()
+    assert saved_bytes < 1.1 * logits_bytes  # a float32 copy alone would be 2x
+    out.sum().backward()
+    x = logits.detach().float().requires_grad_()
+    torch.log_softmax(x, -1).gather(-1, ids[..., None]).sum().backward()
+    torch.testing.assert_close(logits.grad.float(), x.grad, atol=1e-2, rtol=0)
 
 
 def test_token_logprobs_errors():

@@ -2,8 +2,8 @@
 
 Runs use a randomly initialised tiny Qwen3 (weights, schedule, sync and shutdown are what is
 tested here; learning is measured by ``python -m grpo_nb train``, see the report). Server
-starts: one shared by the ring tests, one owned by ``train()`` in the kill test, one by the
-CLI test.
+starts: one shared by the ring tests (the kill test, last to use it, kills it) and one owned
+by the CLI.
 """
 
 from __future__ import annotations
@@ -188,8 +188,9 @@ def test_async_and_sync_modes_run_verify_and_schedule_differently(
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_killing_the_server_ends_the_run_with_a_clear_error(random_model_dir, tmp_path,
-                                                             monkeypatch) -> None:
+def test_killing_the_server_ends_the_run_with_a_clear_error(ring_server, random_model_dir,
+                                                             tmp_path, monkeypatch) -> None:
+    """Runs after the ring test in this module: it kills the module's server."""
     from grpo_nb import serving
     from grpo_nb.llm import RunAborted, train
 
@@ -198,16 +199,15 @@ def test_killing_the_server_ends_the_run_with_a_clear_error(random_model_dir, tm
 
     def on_event(kind: str, rec) -> None:
         if kind == "step" and not killed_at:
-            for p in serving.find_server_processes():
+            for p in serving.find_server_processes([ring_server.server_id]):
                 p.kill()
             killed_at.append(time.monotonic())
 
     cfg = LLMConfig(**{**SMALL, "steps": 50})
     with pytest.raises(RunAborted, match="vLLM server"):
-        asyncio.run(train(cfg, model_dir=random_model_dir, name="kill", on_event=on_event,
-                          smoke=True, progress=False))
+        asyncio.run(train(cfg, model_dir=random_model_dir, name="kill", server=ring_server,
+                          on_event=on_event, smoke=True, progress=False))
     assert killed_at and time.monotonic() - killed_at[0] < 30
-    assert serving.find_server_processes() == []
 
 
 @pytest.mark.vllm

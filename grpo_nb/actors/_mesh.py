@@ -305,6 +305,14 @@ class ActorMesh(Handle):
     def size(self) -> int:
         return len(self._cells)
 
+    def slice(self, **coords: int) -> ActorMesh:
+        """The sub-mesh at the given coordinates, e.g. ``mesh.slice(gpus=0)`` (one actor)."""
+        if unknown := set(coords) - set(self.extent):
+            raise ValueError(f"unknown mesh dimensions {sorted(unknown)}; mesh has {list(self.extent)}")
+        cells = [c for c in self._cells if all(c.point[k] == v for k, v in coords.items())]
+        extent = {k: n for k, n in self.extent.items() if k not in coords}
+        return ActorMesh(self._name, self._class, cells, extent)
+
     def stop(self, reason: str = "stopped by client") -> Future[None]:
         """Stop every actor: cancel its running message, fail queued ones, run ``__cleanup__``."""
         cells = list(self._cells)
