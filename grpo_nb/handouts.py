@@ -31,6 +31,7 @@ import argparse
 import copy
 import html
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -52,14 +53,14 @@ from grpo_nb.handouts_render import (
 EXERCISE_TAG = "exercise"
 SOLUTION_TAG = "solution"
 PDF_NAME = "grpo-notebooks.pdf"
-_RUNTIME_LINE = re.compile(r"\*\*Time:?\*\*:?\s*(?P<text>.+)", re.IGNORECASE)
-_RUNTIME_PART = re.compile(r"(?P<mode>smoke|full)\s*:?\s*(?P<value>[~≈<>]?\s*\d[^·|,;]*)", re.I)
-# also accepted: "about 15 s to run in smoke mode, about 20 s in full mode"
-_RUNTIME_PART_AFTER = re.compile(
-    r"(?P<value>(?:about\s+|[~≈<>]\s*)?\d[\d.–-]*\s*(?:s|sec\w*|min\w*|h\w*))\s+"
-    r"(?:to run\s+)?in\s+(?P<mode>smoke|full)\b",
-    re.I,
+_DURATION = (
+    r"(?P<value>(?:about\s+|[~≈<>]\s*)?\d[\d.,]*(?:\s*[–-]\s*\d[\d.,]*)?"
+    r"\s*(?:s|secs?|seconds?|min|mins|minutes?|h|hours?)\b)"
 )
+# "smoke ~1 min", "smoke mode: 30 s", "full ≈ 6–10 min"
+_MODE_THEN_TIME = re.compile(r"\b(?P<mode>smoke|full)(?:\s+mode)?\s*:?\s*" + _DURATION, re.I)
+# "about 45 s in smoke mode", "15 s to run in smoke mode"
+_TIME_THEN_MODE = re.compile(_DURATION + r"\s+(?:to\s+run\s+)?in\s+(?P<mode>smoke|full)\b", re.I)
 _NOTEBOOK_NAME = re.compile(r"^\d\d_.+\.ipynb$")
 
 
@@ -81,12 +82,14 @@ class HandoutConfig:
     pdf: bool = False
     solutions: bool = False  # keep solution cells in the HTML pages (instructor copy)
     only: tuple[str, ...] = ()  # notebook number prefixes, e.g. ("02", "03"); empty = all
-    cell_timeout_s: int = 1800
+    cell_timeout_s: int | None = None  # None: 600 s in smoke mode, 3600 s in full mode
 
     def __post_init__(self) -> None:
         self.notebooks, self.out = Path(self.notebooks), Path(self.out)
         if not self.notebooks.is_dir():
             raise ValueError(f"notebooks: {self.notebooks} is not a folder")
+        if self.cell_timeout_s is None:
+            self.cell_timeout_s = 3600 if self.full else 600
         if self.cell_timeout_s <= 0:
             raise ValueError(f"cell_timeout_s must be positive, got {self.cell_timeout_s}")
         if any(not re.fullmatch(r"\d\d", p) for p in self.only):
@@ -119,22 +122,31 @@ def find_notebooks(folder: Path, only: tuple[str, ...] = ()) -> list[Path]:
 
 
 def parse_runtime(nb: NotebookNode) -> Runtime | None:
-    """The ``**Time:** smoke ~1 min · full ~5 min`` line of the opening markdown, if any.
+    """The stated runtimes from the opening markdown's ``**Time:**`` paragraph, if any.
 
-    "about 15 s in smoke mode, about 20 s in full mode" on that line is read too.
+    The convention is ``**Time:** smoke ~1 min · full ~5 min``; prose such as "about 45 s in
+    smoke mode (CI), about 2–3 minutes in full mode" is read too. Code spans and parentheses
+    are skipped, and the paragraph may wrap over several lines.
     """
     first = next((c for c in nb.cells if c.cell_type == "markdown"), None)
     if first is None:
         return None
-    for line in first.source.splitlines():
-        if m := _RUNTIME_LINE.search(line):
-            found = [*_RUNTIME_PART_AFTER.finditer(m["text"]), *_RUNTIME_PART.finditer(m["text"])]
-            parts = {
-                p["mode"].lower(): re.sub(r"^about\s+", "~", p["value"].strip()) for p in found
-            }
-            if "smoke" in parts and "full" in parts:
-                return Runtime(smoke=parts["smoke"], full=parts["full"])
+    for para in re.split(r"\n\s*\n", first.source):
+        if not re.match(r"\s*\*\*Time:?\*\*", para, re.I):
+            continue
+        text = re.sub(r"`[^`]*`|\([^)]*\)", " ", " ".join(para.split()))
+        parts: dict[str, str] = {}
+        for pattern in (_MODE_THEN_TIME, _TIME_THEN_MODE):
+            for m in pattern.finditer(text):
+                parts.setdefault(m["mode"].lower(), _tidy_duration(m["value"]))
+        if "smoke" in parts and "full" in parts:
+            return Runtime(smoke=parts["smoke"], full=parts["full"])
     return None
+
+
+def _tidy_duration(text: str) -> str:
+    text = re.sub(r"^(?:about\s+|[~≈]\s*)", "~", " ".join(text.split()))
+    return re.sub(r"\bminutes?\b", "min", re.sub(r"\bseconds?\b", "s", text))
 
 
 def notebook_title(nb: NotebookNode, fallback: str) -> str:
@@ -244,8 +256,9 @@ def index_html(pages: list[PageResult], cfg: HandoutConfig, out: Path) -> str:
 def build(cfg: HandoutConfig) -> list[PageResult]:
     """Write the student copies, the HTML pages, the index and (optionally) the PDF."""
     student_dir, html_dir = cfg.out / "student", cfg.out / "html"
-    student_dir.mkdir(parents=True, exist_ok=True)
-    html_dir.mkdir(parents=True, exist_ok=True)
+    for folder in (student_dir, html_dir):  # no stale page of a renamed notebook survives
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
     pages, executed = [], []
     for path in find_notebooks(cfg.notebooks, cfg.only):
         nb = nbformat.read(path, as_version=4)
@@ -254,7 +267,7 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
         page.files["notebook"] = student_dir / path.name
         nbformat.write(student_copy(nb), page.files["notebook"])
         print(f"[handouts] running {path.name} ({'full' if cfg.full else 'smoke'}) …", flush=True)
-        page.error, page.seconds = execute(nb, path.parent, cfg.full, cfg.cell_timeout_s)
+        page.error, page.seconds = execute(nb, path.parent, cfg.full, cfg.cell_timeout_s or 600)
         shown = flatten_widgets(nb if cfg.solutions else _without_solutions(nb))
         executed.append(shown)
         page.files["page"] = html_dir / f"{path.stem}.html"
@@ -305,7 +318,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--pdf", action="store_true", help="also print all pages to one PDF")
     parser.add_argument("--solutions", action="store_true", help="keep solutions in the pages")
     parser.add_argument("--only", default="", help="comma-separated numbers, e.g. 02,03")
-    parser.add_argument("--cell-timeout", type=int, default=1800, help="seconds per cell")
+    parser.add_argument("--cell-timeout", type=int, help="seconds per cell (600 smoke, 3600 full)")
     args = parser.parse_args(argv)
     cfg = HandoutConfig(
         notebooks=args.notebooks, out=args.out, full=args.full, pdf=args.pdf,

@@ -75,6 +75,9 @@ def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
                 ax.broken_barh(spans, (lane - 0.4, 0.8), color=colors[lab])
     ax.set_yticks(range(len(actors)), actors)
     ax.set_ylim(-0.6, max(len(actors), 1) - 0.4)
+    if rows:  # collections do not take part in autoscaling after a redraw: set x explicitly
+        t0, t1 = min(r["start"] for r in rows), max(r["end"] for r in rows)
+        ax.set_xlim(t0, t1 + 1e-3)
     ax.set_xlabel("time (s)")
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[lab]) for lab in labels]
@@ -89,6 +92,19 @@ def _actor_order(name: str) -> tuple[int, str]:
     return 9, name
 
 
+def clear_artists(ax: Axes) -> None:
+    """Remove what was plotted on ``ax`` but keep the axes and their ticks.
+
+    ``ax.cla()`` would do the same but rebuilds every tick, which is most of the cost of a
+    redraw: live plots redraw several times per second.
+    """
+    for artist in [*ax.lines, *ax.patches, *ax.collections, *ax.texts, *ax.images]:
+        artist.remove()
+    if (legend := ax.get_legend()) is not None:
+        legend.remove()
+    ax.relim()
+
+
 def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_reward: float | None = None,
                fig: Figure | None = None, window_s: float | None = 3.0) -> Figure:
     """The toy ring's 2x2 figure: reward vs optimum, KL, staleness histogram, actor timeline."""
@@ -96,7 +112,7 @@ def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_rewa
         fig = plt.figure(figsize=(11, 6.5))
     if len(fig.axes) == 4:  # redraw into the same axes: much cheaper than a new layout
         for ax in fig.axes:
-            ax.cla()
+            clear_artists(ax)
         ax_r, ax_kl, ax_st, ax_tl = fig.axes
     else:
         fig.clf()
@@ -117,6 +133,10 @@ def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_rewa
     ax_r.set_xlabel("trainer step")
     ax_r.legend(loc="lower right", fontsize=8)
     plot_series(ax_kl, xs, [r["kl"] for r in steps], label="KL to reference", color="tab:orange")
+    for ax in (ax_r, ax_kl):
+        ax.relim()
+        ax.autoscale_view()
+    ax_r.set_ylim(-0.02, 1.05 * (optimum or 1.0))
     ax_kl.set_title("KL(policy ‖ reference)")
     ax_kl.set_xlabel("trainer step")
     plot_staleness(ax_st, [s for r in steps for s in r.get("staleness", [])])

@@ -242,7 +242,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--resume", help="a run folder (runs/<name>) to continue from")
     parser.add_argument("--steps", type=int, help="total optimiser steps")
     parser.add_argument("--time-budget", type=float, help="seconds of training at most")
-    parser.add_argument("--transport", choices=["gloo", "reload", "nccl"])
+    parser.add_argument("--transport", choices=["gloo", "reload", "nccl", "ipc"],
+                        help="weight sync: gloo/reload on CPU, nccl/ipc on GPU")
     parser.add_argument("--name", help="run folder name under runs/")
     args = parser.parse_args(argv)
     smoke = args.smoke or smoke_mode()

@@ -34,6 +34,8 @@ class LLMConfig:
         max_ahead: async only — how many steps' worth of groups generators may produce
             beyond the current step (bounds the queue, hence the staleness).
         sync_every: push weights to the server every k optimiser steps.
+        verify_every: prove the served weights equal the trainer's every k syncs (and always
+            at the first and the last sync).
     Batch and objective
         prompts_per_step × group_size samples per step; ``grad_accum`` micro-batches.
         lr, weight_decay, max_grad_norm: AdamW and gradient clipping.
@@ -52,6 +54,7 @@ class LLMConfig:
     max_staleness: int = 2
     max_ahead: int = 1
     sync_every: int = 1
+    verify_every: int = 10
     prompts_per_step: int = 16
     group_size: int = 8
     grad_accum: int = 1
@@ -89,6 +92,7 @@ class LLMConfig:
         if self.max_ahead < 0:
             raise ValueError(f"LLMConfig.max_ahead={self.max_ahead}: must be >= 0")
         for name in ("steps", "generators", "prompts_per_step", "grad_accum", "sync_every",
+                     "verify_every",
                      "max_tokens", "eval_every", "eval_size", "trainer_threads",
                      "checkpoint_every"):
             if getattr(self, name) < 1:
@@ -114,8 +118,8 @@ class LLMConfig:
     @classmethod
     def smoke(cls) -> LLMConfig:
         """A few minutes on 2 shared cores: fewer steps, smaller evaluation."""
-        return cls(steps=30, time_budget_s=90.0, eval_every=10, eval_size=500,
-                   checkpoint_every=15)
+        return cls(steps=50, time_budget_s=90.0, eval_every=25, eval_size=500,
+                   checkpoint_every=25)
 
     @property
     def batch_size(self) -> int:

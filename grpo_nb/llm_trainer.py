@@ -114,6 +114,7 @@ class PolicyTrainer:
         self.eval_set = eval_set
         self.step_count = 0
         self.version = 0  # weight version the server last confirmed
+        self.last_verified: int | None = None  # last version proven served (probe check)
 
     @property
     def device(self) -> torch.device:

@@ -70,10 +70,15 @@ def trainer_actor(api: ModuleType, stage: type) -> type:
             api.send(generators.progress, (self.pt.step_count, self.pt.version, self.issued), {},
                      selection="all")
 
-        async def _sync(self, label: str = "sync") -> None:
+        async def _sync(self, label: str = "sync", *, verify: bool | None = None) -> None:
             start = time.time()
-            res = await asyncio.to_thread(self.syncer.sync, self.pt.step_count)
+            self.syncs = getattr(self, "syncs", 0) + 1
+            if verify is None:
+                verify = self.cfg.sync.verify and self.syncs % self.cfg.verify_every == 0
+            res = await asyncio.to_thread(self.syncer.sync, self.pt.step_count, verify=verify)
             self.pt.version = res.version
+            if res.verified:
+                self.pt.last_verified = res.version
             self._busy(label, start)
             self.metrics.send(Event("sync", {"step": self.pt.step_count, "version": res.version,
                                              "ms": res.ms, "bytes": res.bytes,
@@ -116,7 +121,7 @@ def trainer_actor(api: ModuleType, stage: type) -> type:
             cfg = self.cfg
             torch.set_num_threads(cfg.trainer_threads)
             self.dropped = int(self.resumed.get("dropped", 0))
-            await self._sync("sync")  # the server starts from the base model: align + verify
+            await self._sync(verify=True)  # the server starts from the base model: align + check
             await self._eval()
             ahead = cfg.max_ahead if cfg.mode == "async" else 0
             self.issued = (1 + ahead) * cfg.prompts_per_step
@@ -157,8 +162,8 @@ def trainer_actor(api: ModuleType, stage: type) -> type:
             leftover = 0
             while await self.inbox.recv() is not None:
                 leftover += 1  # produced but never trained on
-            if self.pt.version != self.pt.step_count:
-                await self._sync()
+            if self.pt.version != self.pt.step_count or self.pt.last_verified != self.pt.version:
+                await self._sync(verify=True)  # the run ends on verified weights
             if self.pt.step_count % self.cfg.eval_every != 0:
                 await self._eval()
             await asyncio.to_thread(self._checkpoint)

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -206,7 +207,7 @@ async def _stop_all(meshes: list[Any], timeout_s: float) -> None:
     for mesh in meshes:
         try:
             await asyncio.wait_for(asyncio.ensure_future(_awaitable(mesh.stop())), timeout_s)
-        except (Exception, asyncio.TimeoutError) as err:  # keep stopping the others
+        except (TimeoutError, Exception) as err:  # keep stopping the others
             print(f"warning: stopping {mesh!r} failed: {err!r}", file=sys.stderr)
 
 
@@ -280,6 +281,11 @@ async def run_ring(
     return summarize(rec, cfg, wall, dropped)
 
 
+def unique_run_name(prefix: str) -> str:
+    """``prefix-YYYYmmdd-HHMMSS-pid``: two runs at once (a notebook and a test) never share a file."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
 def cli(argv: list[str]) -> int:
     """``python -m grpo_nb toy``: run the ring with a progress bar, write metrics + PNG."""
     parser = argparse.ArgumentParser(prog="python -m grpo_nb toy", description=__doc__.split("\n")[0])
@@ -306,7 +312,7 @@ def cli(argv: list[str]) -> int:
 
     from grpo_nb.live import save_figure
 
-    name = args.name or f"toy-{cfg.backend}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = args.name or unique_run_name(f"toy-{cfg.backend}")
     rec = MetricsRecorder.for_run(name)
     (rec.run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     bar = tqdm(total=cfg.steps, desc=f"toy ring ({cfg.backend})", unit="step", file=sys.stderr)

@@ -19,6 +19,7 @@ reference forwards it, the trainer discards what was still queued and reports "e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import time
 import traceback
@@ -29,7 +30,15 @@ from typing import Any
 import torch
 
 from grpo_nb import grpo
-from grpo_nb.toy import Event, Group, ToyConfig, best_arm, build_policy, build_teacher, policy_logprobs
+from grpo_nb.toy import (
+    Event,
+    Group,
+    ToyConfig,
+    best_arm,
+    build_policy,
+    build_teacher,
+    policy_logprobs,
+)
 
 
 class _Busy:
@@ -56,10 +65,8 @@ class _Busy:
 async def _cancel(task: asyncio.Task | None) -> None:
     if task is not None and not task.done():
         task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
 
 
 @cache

@@ -265,9 +265,6 @@ class LabPage:
             area.screenshot(path=str(path))
         return path
 
-    def save(self) -> None:
-        self.page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
-
 
 @dataclass
 class LivePlot:

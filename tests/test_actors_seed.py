@@ -10,6 +10,7 @@ two parametrized runs is which module that is — the equivalent of changing the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -74,10 +75,8 @@ def build_ring(api: ModuleType) -> SimpleNamespace:
         async def halt(self) -> None:
             if self.loop_task is not None and not self.loop_task.done():
                 self.loop_task.cancel()
-                try:
+                with contextlib.suppress(asyncio.CancelledError):
                     await self.loop_task
-                except asyncio.CancelledError:
-                    pass
 
         async def __cleanup__(self, exc) -> None:
             await self.halt()

@@ -15,6 +15,7 @@ with a deliberate error proves the checks can fail. The committed notebooks are 
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -53,7 +54,7 @@ def lab_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[JupyterS
     shutil.rmtree(SHOTS, ignore_errors=True)
     SHOTS.mkdir(parents=True)
     print(f"\n[browser] screenshots: {SHOTS}")
-    env = {**__import__("os").environ, "GRPO_NB_SMOKE": "1", **lab_settings(root)}
+    env = {**os.environ, "GRPO_NB_SMOKE": "1", **lab_settings(root)}
     with (
         JupyterServer(nb_dir, SHOTS / "jupyter.log", env=env) as server,
         tempfile.TemporaryDirectory() as profile,

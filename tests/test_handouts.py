@@ -51,6 +51,11 @@ def test_parse_runtime_reads_the_agreed_line() -> None:
         _md("**Time:** about 15 s to run in smoke mode, 2 min in full mode")
     )
     assert rt == handouts.Runtime(smoke="~15 s", full="2 min")
+    wrapped = "**Time:** smoke (`GRPO_NB_SMOKE=1`, CI) ≈ 3–5 min;\nfull mode ≈ 20 minutes.\n\nMore."
+    assert handouts.parse_runtime(_md(wrapped)) == handouts.Runtime(
+        smoke="~3–5 min", full="~20 min"
+    )
+    assert handouts.parse_runtime(_md("**Time:** smoke ~1 min\n\nfull ~5 min")) is None  # 2 paras
     assert handouts.parse_runtime(_md("# T\n\nno runtime here")) is None
     assert handouts.parse_runtime(_md("**Time:** about 5 min")) is None  # both modes required
 

@@ -104,7 +104,7 @@ def transfer(obj: Any) -> Any:
     Raises the pickling error at the *sender*, as Monarch does, for things that cannot cross
     a process boundary (open files, locks, generators, asyncio objects, ...).
     """
-    if isinstance(obj, _IMMUTABLE) or isinstance(obj, Handle):
+    if isinstance(obj, (_IMMUTABLE, Handle)):
         return obj
     # The C pickler first (fast); cloudpickle when something must travel by value (a class or
     # lambda defined in a notebook cell), as Monarch would ship it.

@@ -178,8 +178,12 @@ class WeightSyncer:
 
     # ── the sync itself ──
 
-    def sync(self, version: int) -> SyncResult:
-        """Send the model's current weights as ``version``; raise :class:`WeightSyncError`."""
+    def sync(self, version: int, *, verify: bool | None = None) -> SyncResult:
+        """Send the model's current weights as ``version``; raise :class:`WeightSyncError`.
+
+        ``verify`` overrides ``cfg.verify`` for this call (the ring checks every few syncs
+        and always the last one: each check costs a few probe requests).
+        """
         self.connect()
         start = time.perf_counter()
         paused = False
@@ -202,7 +206,7 @@ class WeightSyncer:
             if paused:
                 self.client.resume()
         ms = (time.perf_counter() - start) * 1e3
-        verified = self.verify(version) if self.cfg.verify else None
+        verified = self.verify(version) if (self.cfg.verify if verify is None else verify) else None
         self.version = version
         return SyncResult(version, ms, model_bytes(self.model), verified)
 
