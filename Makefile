@@ -58,8 +58,8 @@ lint: setup
 	$(BIN)/ruff check grpo_nb tests benchmarks notebooks
 
 check-notebooks: setup
-	$(BIN)/nbstripout --verify notebooks/*.ipynb || \
-	  { echo "notebooks carry outputs: run '$(BIN)/nbstripout notebooks/*.ipynb'"; exit 1; }
+	$(BIN)/nbstripout --verify --keep-id notebooks/*.ipynb || \
+	  { echo "notebooks carry outputs: run '$(BIN)/nbstripout --keep-id notebooks/*.ipynb'"; exit 1; }
 
 pytest: setup system-deps
 	GRPO_NB_SMOKE=1 $(BIN)/pytest -q tests
