@@ -71,8 +71,10 @@ def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
                    title=f"staleness of trained groups (dropped: {len(dropped)})")
     ax = axes["sync"]
     plot_series(ax, *_xy(syncs, "ms", "version"), marker=".", color="tab:brown")
-    ok = all(r.get("verified") for r in syncs) if syncs else False
-    ax.set(title=f"weight sync time (ms) — verified: {ok}", xlabel="weight version")
+    checked = [r for r in syncs if r.get("verified") is not None]
+    ok = sum(bool(r["verified"]) for r in checked)
+    ax.set(title=f"weight sync time (ms), verified {ok}/{len(checked)} checks",
+           xlabel="weight version")
     plot_timeline(axes["timeline"], busy, window_s=window_s,
                   title=f"actor timeline (last {window_s:.0f} s)" if window_s else "actor timeline")
     return fig
@@ -123,7 +125,7 @@ def save_dashboard(run_dir: Path | str, name: str = "dashboard.png") -> Path:
     return path
 
 
-def load_run(run_dir: Path | str, *, window_s: float | None = None) -> Figure:
+def load_run(run_dir: Path | str, *, window_s: float | None = 60.0) -> Figure:
     """The dashboard of a finished (or interrupted) run, from its ``metrics.jsonl``."""
     return llm_figure(load_metrics(run_dir), window_s=window_s)
 

@@ -106,6 +106,7 @@ class PageResult:
     seconds: float = 0.0
     error: str | None = None
     files: dict[str, Path] = field(default_factory=dict)
+    shown: NotebookNode | None = None  # the executed notebook as its page shows it
 
 
 # ── reading notebooks ──────────────────────────────────────────────────────────────────────
@@ -268,10 +269,10 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
         nbformat.write(student_copy(nb), page.files["notebook"])
         print(f"[handouts] running {path.name} ({'full' if cfg.full else 'smoke'}) …", flush=True)
         page.error, page.seconds = execute(nb, path.parent, cfg.full, cfg.cell_timeout_s or 600)
-        shown = flatten_widgets(nb if cfg.solutions else _without_solutions(nb))
-        executed.append(shown)
+        page.shown = flatten_widgets(nb if cfg.solutions else _without_solutions(nb))
+        executed.append(page.shown)
         page.files["page"] = html_dir / f"{path.stem}.html"
-        page.files["page"].write_text(render_html(shown), encoding="utf-8")
+        page.files["page"].write_text(render_html(page.shown), encoding="utf-8")
         print(f"[handouts]   {page.seconds:.0f} s, {page.error or 'ok'}", flush=True)
     if cfg.pdf and executed:
         combined = _combine(executed)

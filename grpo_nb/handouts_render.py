@@ -31,6 +31,7 @@ from nbformat import NotebookNode
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+FROM_WIDGET = "grpo_nb_from_widget"  # output metadata flag: this output was inside a widget
 LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax/MathJax.js")
 # Playwright adds --headless itself and takes the profile folder as an argument of
 # launch_persistent_context; these are the rest. Background networking, component updates and
@@ -99,8 +100,11 @@ def _flatten_outputs(outputs: list[Any], state: dict[str, Any], depth: int) -> l
         view = out.get("data", {}).get(WIDGET_VIEW)
         if view is None:
             flat.append(out)
-        else:
-            flat.extend(_widget_outputs(view.get("model_id", ""), state, depth))
+            continue
+        for inner in _widget_outputs(view.get("model_id", ""), state, depth):
+            if "metadata" in inner:  # stream outputs have no metadata in the schema
+                inner = {**inner, "metadata": {**inner["metadata"], FROM_WIDGET: True}}
+            flat.append(inner)
     return flat
 
 

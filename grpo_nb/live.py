@@ -74,7 +74,7 @@ def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
             if spans:
                 ax.broken_barh(spans, (lane - 0.4, 0.8), color=colors[lab])
     ax.set_yticks(range(len(actors)), actors)
-    ax.set_ylim(-0.6, max(len(actors), 1) - 0.4)
+    ax.set_ylim(-0.6, max(len(actors), 1) + 0.5)  # headroom for the legend
     if rows:  # collections do not take part in autoscaling after a redraw: set x explicitly
         t0, t1 = min(r["start"] for r in rows), max(r["end"] for r in rows)
         ax.set_xlim(t0, t1 + 1e-3)

@@ -33,8 +33,8 @@ from grpo_nb.client import CompletionError, CompletionsClient
 from grpo_nb.grpo import group_advantages, token_logprobs
 from grpo_nb.tasks import render_prompt, reward
 
-# fp32 on both sides; measured max |Δ| on the tiny model is ~1e-6 (see notebook 04).
-LOGPROB_TOLERANCE = 1e-3
+# fp32 on both sides; measured max |Δ| on the tiny model: 4.3e-6 over 320 tokens (CLI smoke).
+LOGPROB_TOLERANCE = 1e-4
 
 
 @dataclass

@@ -32,6 +32,7 @@ from browser_helpers import (
     lab_settings,
     run_and_watch,
 )
+from playwright.sync_api import sync_playwright
 
 from grpo_nb.handouts_render import CHROMIUM_ARGS, chromium_executable
 
@@ -44,19 +45,16 @@ SHOTS = REPO / "build" / "browser"
 @pytest.fixture(scope="module")
 def lab_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[JupyterServer, object]]:
     """A JupyterLab server on a copy of the notebooks, and a Chromium browser context."""
-    pytest.importorskip("playwright")
-    from playwright.sync_api import sync_playwright
-
     root = tmp_path_factory.mktemp("lab")
     nb_dir = root / "notebooks"
     shutil.copytree(REPO / "notebooks", nb_dir, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     nbformat.write(fixture_notebook(steps=12, fail=True), nb_dir / "zz_fixture.ipynb")
-    shutil.rmtree(SHOTS, ignore_errors=True)
-    SHOTS.mkdir(parents=True)
+    SHOTS.mkdir(parents=True, exist_ok=True)  # not wiped: xdist workers may share it
     print(f"\n[browser] screenshots: {SHOTS}")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     env = {**os.environ, "GRPO_NB_SMOKE": "1", **lab_settings(root)}
     with (
-        JupyterServer(nb_dir, SHOTS / "jupyter.log", env=env) as server,
+        JupyterServer(nb_dir, SHOTS / f"jupyter-{worker}.log", env=env) as server,
         tempfile.TemporaryDirectory() as profile,
         sync_playwright() as pw,
     ):

@@ -23,7 +23,8 @@ def _fake_run(run_dir: Path | None, *, mode: str = "async") -> MetricsRecorder:
         rec.log("step", t=t, step=step, reward=0.1 + step / 100, kl=0.0, clip_frac=0.01,
                 response_len=5.0, tokens=640, train_s=0.4, wall_s=t,
                 staleness=[1, 1, 0, 2] if mode == "async" else [0, 0, 0, 0])
-        rec.log("sync", t=t, step=step, version=step, ms=120.0 + step, verified=step % 5 == 0)
+        rec.log("sync", t=t, step=step, version=step, ms=120.0 + step,
+                verified=True if step % 5 == 0 else None)
     rec.log("dropped", t=7.0, step=7, staleness=3, total=1)
     rec.log("eval", t=20.5, step=20, accuracy=0.41)
     return rec
@@ -34,7 +35,7 @@ def test_figure_has_every_panel_and_reports_drops_and_verification() -> None:
     titles = [ax.get_title() for ax in fig.axes]
     assert len(fig.axes) == 7
     assert any("dropped: 1" in t for t in titles)
-    assert any("weight sync" in t and "verified: False" in t for t in titles)
+    assert any("weight sync" in t and "verified 4/4 checks" in t for t in titles)
     timeline = next(ax for ax in fig.axes if ax.get_title().startswith("actor timeline"))
     assert [t.get_text() for t in timeline.get_yticklabels()] == ["gen0", "trainer"]
 

@@ -15,9 +15,10 @@ import pytest
 from browser_helpers import FIXTURE_SOLUTION, fixture_notebook
 
 from grpo_nb import handouts
-from grpo_nb.handouts_render import WIDGET_VIEW
+from grpo_nb.handouts_render import FROM_WIDGET, WIDGET_VIEW
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 OUTPUT_IMAGE = re.compile(
     r'<div class="jp-RenderedImage[^>]*>\s*<img[^>]*src="data:image/png;base64,'
 )
@@ -165,3 +166,25 @@ def test_course_notebook_conventions(path: Path) -> None:
         if re.search(r"^\s*(#+\s*|\*\*)solution", c.source, re.IGNORECASE | re.MULTILINE)
     ]
     assert announced == [], f"untagged cells announce a solution: {announced}"
+
+
+@pytest.mark.slow
+def test_real_notebook_page_shows_every_plot(tmp_path: Path) -> None:
+    """The real pipeline on a cheap real notebook (03, ~20 s): every image it drew is on its page,
+    including the plot under its sliders, which lives inside an ipywidgets Output widget."""
+    cfg = handouts.HandoutConfig(notebooks=REPO / "notebooks", out=tmp_path, only=("03",))
+    (page,) = handouts.build(cfg)
+    assert page.error is None
+    assert page.shown is not None
+    images = [
+        o
+        for c in page.shown.cells
+        for o in c.get("outputs", [])
+        if "image/png" in o.get("data", {})
+    ]
+    drawn = len(images)
+    assert any(o.metadata.get(FROM_WIDGET) for o in images), "no plot from under the sliders"
+    html_page = page.files["page"].read_text()
+    assert drawn >= 3
+    assert len(OUTPUT_IMAGE.findall(html_page)) == drawn
+    assert WIDGET_VIEW not in html_page

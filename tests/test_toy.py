@@ -120,3 +120,23 @@ def test_monarch_backend_missing_gives_a_clear_message(monkeypatch, capsys) -> N
     assert cli(["--smoke", "--backend", "monarch"]) == 2
     err = capsys.readouterr().err
     assert "torchmonarch is not installed" in err and "Traceback" not in err
+
+
+def test_keyboard_interrupt_in_the_controller_still_stops_every_actor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notebook interrupt lands in controller code (here: the on_step callback)."""
+    cancelled_loops: list[int] = []
+    original = grpo_nb.toy_actors._cancel
+
+    async def counting_cancel(task: asyncio.Task | None) -> None:
+        cancelled_loops.append(1)
+        await original(task)
+
+    monkeypatch.setattr(grpo_nb.toy_actors, "_cancel", counting_cancel)
+
+    def on_step(rec: MetricsRecorder) -> None:
+        if len(rec.rows("step")) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(run_ring(replace(ToyConfig.smoke(), steps=10_000), on_step=on_step))
+    assert len(cancelled_loops) >= 7
