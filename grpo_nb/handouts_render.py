@@ -19,6 +19,7 @@ by Debian's MathJax (``libjs-mathjax``) when it is installed, so printing needs 
 from __future__ import annotations
 
 import copy
+import html
 import os
 import shutil
 import tempfile
@@ -71,6 +72,16 @@ def execute(nb: NotebookNode, cwd: Path, full: bool, timeout_s: int) -> tuple[st
     return error, time.monotonic() - start
 
 
+def _leaf_html(name: str, st: dict[str, Any]) -> str:
+    """A control as static HTML: its text, a progress bar, or ``[label: value]``."""
+    if name in {"HTMLModel", "HTMLMathModel", "LabelModel"}:
+        return str(st.get("value", ""))
+    if name in {"FloatProgressModel", "IntProgressModel"}:
+        return f'<progress value="{st.get("value", 0)}" max="{st.get("max", 100)}"></progress>'
+    label = st.get("description") or name.removesuffix("Model")
+    return html.escape(f"[{label}: {st['value']}]" if "value" in st else f"[{label}]")
+
+
 def _widget_outputs(model_id: str, state: dict[str, Any], depth: int = 0) -> list[dict[str, Any]]:
     """Static outputs standing in for one widget view (recursing into boxes and Output)."""
     model = state.get(model_id)
@@ -79,19 +90,23 @@ def _widget_outputs(model_id: str, state: dict[str, Any], depth: int = 0) -> lis
     name, st = model.get("model_name", ""), model.get("state", {})
     if name == "OutputModel":
         return _flatten_outputs(st.get("outputs", []), state, depth + 1)
-    if "children" in st:  # HBox, VBox, interact's container, tqdm's bar
-        return [
-            out
-            for child in st["children"]
-            for out in _widget_outputs(str(child).removeprefix("IPY_MODEL_"), state, depth + 1)
-        ]
-    if name in {"HTMLModel", "HTMLMathModel", "LabelModel"}:
-        return [
-            nbformat.v4.new_output("display_data", data={"text/html": str(st.get("value", ""))})
-        ]
-    label = st.get("description") or name.removesuffix("Model")
-    text = f"[{label}: {st['value']}]" if "value" in st else f"[{label}]"
-    return [nbformat.v4.new_output("display_data", data={"text/plain": text})]
+    if "children" not in st:
+        return [nbformat.v4.new_output("display_data", data={"text/html": _leaf_html(name, st)})]
+    children = [state.get(str(c).removeprefix("IPY_MODEL_"), {}) for c in st["children"]]
+    leaves = all(
+        "children" not in c.get("state", {}) and c.get("model_name") != "OutputModel"
+        for c in children
+    )
+    if name == "HBoxModel" and leaves:
+        # a row of controls, such as tqdm's bar: one line, as in JupyterLab
+        row = " ".join(_leaf_html(c.get("model_name", ""), c.get("state", {})) for c in children)
+        html_row = f'<div style="display:flex;gap:.6em;align-items:center">{row}</div>'
+        return [nbformat.v4.new_output("display_data", data={"text/html": html_row})]
+    return [  # VBox, interact's container: one output per child, in order
+        out
+        for child in st["children"]
+        for out in _widget_outputs(str(child).removeprefix("IPY_MODEL_"), state, depth + 1)
+    ]
 
 
 def _flatten_outputs(outputs: list[Any], state: dict[str, Any], depth: int) -> list[Any]:

@@ -47,7 +47,8 @@ def fixture_notebook(steps: int = 5, fail: bool = False) -> nbformat.NotebookNod
         ),
         v4.new_code_cell(
             "import asyncio\n\nimport ipywidgets as widgets\nimport matplotlib.pyplot as plt\n"
-            "from IPython.display import display"
+            "from IPython.display import display\n\n"
+            "display(widgets.HBox([widgets.HTML('steps'), widgets.IntProgress(value=3, max=5)]))"
         ),
         v4.new_code_cell(
             f"fig, ax = plt.subplots(figsize=(4, 3))\nhandle = display(fig, display_id=True)\n"

@@ -122,6 +122,8 @@ def test_build_pages_show_final_plots_as_images(built: tuple[int, Path]) -> None
     # the live plot's last frame ("step 2") and the plot drawn inside the slider's Output widget
     assert len(OUTPUT_IMAGE.findall(page)) == 2
     assert "[eps: 0.2]" in page  # the slider, as static text
+    row = re.search(r'align-items:center">steps <progress ([^>]*)></progress></div>', page)
+    assert row and sorted(row[1].split()) == ['max="5"', 'value="3"']  # a tqdm-like row, one line
     assert WIDGET_VIEW not in page and "Loading widget" not in page
     assert "self-check passed" in page
     assert "secret solution" not in page  # pages leave solutions out unless --solutions

@@ -63,7 +63,7 @@ class WeightSyncConfig:
     verify: bool = True
     chunk_mb: int = 64
     timeout_s: float = 20.0
-    atol: float = 1e-4
+    atol: float = 1e-3
     probe_batch: int = 4
     probe_len: int = 32
 
