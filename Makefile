@@ -40,11 +40,12 @@ endif
 	@rm -f $(VENV)/.stamp-*
 	@touch $@
 
-# Debian's Chromium drives the browser test (no browser download): installed when missing.
+# Debian's Chromium drives the browser test and prints the handout PDF (no browser download);
+# Debian's MathJax typesets the PDF's formulas offline. Installed when missing.
 system-deps:
-	@command -v chromium >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
-	  else echo "browser test needs Chromium: sudo apt-get install chromium (Debian/Ubuntu)"; fi; }
+	@{ command -v chromium >/dev/null && test -f /usr/share/javascript/mathjax/MathJax.js; } || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium libjs-mathjax >/dev/null; \
+	  else echo "needs: sudo apt-get install chromium libjs-mathjax (Debian/Ubuntu)"; exit 1; fi; }
 
 doctor: setup
 	$(BIN)/python -m grpo_nb doctor
@@ -69,8 +70,10 @@ nbtest: setup
 
 test: lint check-notebooks pytest nbtest
 
-handouts: setup
-	$(BIN)/python -m grpo_nb.handouts --out build/handouts
+# Student copies, executed HTML pages + index, one PDF: build/handouts/index.html.
+# HANDOUT_FLAGS=--full for full-size runs; --solutions for an instructor copy.
+handouts: setup system-deps
+	$(BIN)/python -m grpo_nb.handouts --pdf --out build/handouts $(HANDOUT_FLAGS)
 
 clean:
 	rm -rf build runs .pytest_cache .ruff_cache

@@ -7,6 +7,7 @@ works even when vLLM or Monarch is missing)::
     toy        run the toy GRPO ring headless, write a PNG          grpo_nb.toy
     rollouts   tiny model + vLLM server + groups of completions     grpo_nb.rollouts
     train      the asynchronous GRPO loop on the LLM                grpo_nb.llm
+    handouts   student copies, executed HTML pages, one PDF         grpo_nb.handouts
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "toy": ("grpo_nb.toy", "run the toy GRPO ring and write its plot"),
     "rollouts": ("grpo_nb.rollouts", "serve the tiny model with vLLM and sample scored groups"),
     "train": ("grpo_nb.llm", "asynchronous (or synchronous) GRPO on the LLM with weight sync"),
+    "handouts": ("grpo_nb.handouts", "build workshop handouts (student copies, HTML, PDF)"),
 }
 
 
