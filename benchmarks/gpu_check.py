@@ -127,8 +127,8 @@ def part_b(args: argparse.Namespace, pt: Any, cfg: Any, device: str) -> dict[str
 
     n_gpu = torch.cuda.device_count()
     transport = "gloo" if device == "cpu" else ("nccl" if n_gpu >= 2 else "ipc")
-    # bf16 kernels differ between HF and vLLM: a looser "same weights" tolerance on GPU.
-    wcfg = WeightSyncConfig(transport=transport, atol=1e-4 if device == "cpu" else 0.15,
+    # A 151k vocabulary (and bf16 on GPU) widens HF-vs-vLLM log-prob noise: looser tolerance.
+    wcfg = WeightSyncConfig(transport=transport, atol=1e-2 if device == "cpu" else 0.15,
                             timeout_s=120)
     out: dict[str, Any] = {"transport": transport, "gpus": n_gpu}
     with tempfile.TemporaryDirectory() as tmp:

@@ -93,6 +93,20 @@ def _server_gone(server: Any) -> str | None:
     return f"the vLLM server at {server.url} exited (code {code})"
 
 
+async def _wait_server_gone(server: Any, grace_s: float = 3.0) -> str | None:
+    """Like :func:`_server_gone`, but waits up to ``grace_s`` for a dying server to exit.
+
+    A killed server first shows up as a failed request in some actor, a moment before its
+    process has exited; waiting lets the error name the real cause.
+    """
+    deadline = time.monotonic() + grace_s
+    while (gone := _server_gone(server)) is None and server is not None:
+        if time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.1)
+    return gone
+
+
 async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, server: Any = None,
                    on_event: Any = None, stop: Any = None, backend: str = "asyncio",
                    stop_timeout_s: float = 15.0) -> dict[str, Any]:
@@ -143,7 +157,7 @@ async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, serv
             elif event.kind == "exited":
                 exited[event.data["actor"]] = event.data
             elif event.kind == "error":
-                gone = _server_gone(server)
+                gone = await _wait_server_gone(server)
                 raise RunAborted(f"{gone + ': ' if gone else ''}ring actor "
                                  f"{event.data['actor']} failed: {event.data['error']}\n"
                                  f"{event.data['traceback']}")

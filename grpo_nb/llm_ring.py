@@ -125,9 +125,12 @@ def actor_classes(api: ModuleType) -> SimpleNamespace:
                 while True:
                     while self.made >= self.allowed or len(running) >= slots:
                         self.changed.clear()
-                        waiters = [asyncio.ensure_future(self.changed.wait()), *running]
-                        done, _ = await asyncio.wait(waiters, return_when="FIRST_COMPLETED")
-                        waiters[0].cancel()
+                        waiter = asyncio.ensure_future(self.changed.wait())
+                        try:
+                            done, _ = await asyncio.wait([waiter, *running],
+                                                         return_when="FIRST_COMPLETED")
+                        finally:  # also when cancelled: no pending task left behind
+                            waiter.cancel()
                         for t in done & running:
                             running.discard(t)
                             t.result()  # a failed request ends the generator (and the run)
