@@ -23,10 +23,8 @@ scorer and reference forward one ``None``, the trainer discards what is still qu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
-import traceback
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType, SimpleNamespace
@@ -34,14 +32,7 @@ from typing import Any
 
 from grpo_nb.llm_config import LLMConfig
 from grpo_nb.llm_trainer import ScoredGroup
-
-
-@dataclass
-class Event:
-    """What actors tell the controller through the metrics port."""
-
-    kind: str
-    data: Any
+from grpo_nb.ring import Event, cancel_task, stage_base
 
 
 @dataclass
@@ -62,37 +53,15 @@ def share(total: int, rank: int, k: int) -> int:
     return total // k + (1 if rank < total % k else 0)
 
 
-async def _cancel(task: asyncio.Task | None) -> None:
-    if task is not None and not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-
-
 @cache
 def actor_classes(api: ModuleType) -> SimpleNamespace:
     """``Generator``, ``Scorer``, ``Reference``, ``Trainer`` for the given actor API."""
 
-    class _Stage(api.Actor):
-        name = "stage"
-
-        def _launch(self, coro: Any) -> None:
-            self._task = asyncio.create_task(self._guard(coro))
-
-        async def _guard(self, coro: Any) -> None:
-            try:
-                await coro
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                self.metrics.send(Event("error", {"actor": self.name, "error": repr(err),
-                                                  "traceback": traceback.format_exc()}))
+    class _Stage(stage_base(api)):  # launch / guard / cleanup: grpo_nb.ring
+        quiet_cancel = True
 
         def _busy(self, label: str, start: float) -> None:
             self.metrics.send(Event("busy", [(self.name, label, start, time.time())]))
-
-        async def __cleanup__(self, exc: Any) -> None:
-            await _cancel(getattr(self, "_task", None))
 
     class Generator(_Stage):
         def __init__(self, cfg: LLMConfig, spec: RingSpec, out: Any, metrics: Any) -> None:
@@ -158,7 +127,7 @@ def actor_classes(api: ModuleType) -> SimpleNamespace:
 
         @api.endpoint
         async def drain(self) -> None:
-            await _cancel(getattr(self, "_task", None))
+            await cancel_task(getattr(self, "_task", None), quiet=self.quiet_cancel)
             self.out.send(None)
 
     class Scorer(_Stage):

@@ -30,7 +30,7 @@ from grpo_nb.llm_trainer import PolicyTrainer, ScoredGroup
 
 def trainer_actor(api: ModuleType, stage: type) -> type:
     """The Trainer actor class for ``api``, built on the ring's shared ``_Stage`` base."""
-    from grpo_nb.llm_ring import Event
+    from grpo_nb.ring import Event
 
     class Trainer(stage):
         name = "trainer"

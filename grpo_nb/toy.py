@@ -40,6 +40,7 @@ from torch import nn
 
 from grpo_nb.config import smoke_mode
 from grpo_nb.metrics import MetricsRecorder
+from grpo_nb.ring import Event as Event  # the metrics-port message (re-exported)
 
 Backend = Literal["asyncio", "monarch"]
 
@@ -129,14 +130,6 @@ class Group:
     created: float  # wall-clock time.time() when sent
     rewards: torch.Tensor | None = None  # [G] filled by the scorer
     ref_logprobs: torch.Tensor | None = None  # [G] filled by the reference
-
-
-@dataclass
-class Event:
-    """What actors tell the controller through the metrics port."""
-
-    kind: Literal["step", "busy", "exited", "error"]
-    data: Any
 
 
 def build_policy(cfg: ToyConfig) -> nn.Module:

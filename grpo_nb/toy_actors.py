@@ -19,10 +19,8 @@ reference forwards it, the trainer discards what was still queued and reports "e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import time
-import traceback
 from functools import cache
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -30,8 +28,8 @@ from typing import Any
 import torch
 
 from grpo_nb import grpo
+from grpo_nb.ring import Busy, Event, cancel_task, stage_base
 from grpo_nb.toy import (
-    Event,
     Group,
     ToyConfig,
     best_arm,
@@ -41,58 +39,13 @@ from grpo_nb.toy import (
 )
 
 
-class _Busy:
-    """Collects an actor's busy intervals (wall-clock seconds) and ships them in batches."""
-
-    def __init__(self, actor: str, metrics: Any, flush_every_s: float = 0.2) -> None:
-        self.actor, self.metrics, self.flush_every_s = actor, metrics, flush_every_s
-        self.rows: list[tuple[str, str, float, float]] = []
-        self.last_flush = time.time()
-
-    def add(self, label: str, start: float) -> None:
-        end = time.time()
-        self.rows.append((self.actor, label, start, end))
-        if end - self.last_flush > self.flush_every_s:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.rows:
-            self.metrics.send(Event("busy", self.rows))
-            self.rows = []
-        self.last_flush = time.time()
-
-
-async def _cancel(task: asyncio.Task | None) -> None:
-    if task is not None and not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 @cache
 def actor_classes(api: ModuleType) -> SimpleNamespace:
     """``Generator``, ``Scorer``, ``Reference``, ``Trainer`` for the given actor API."""
 
-    class _Stage(api.Actor):
-        """Shared plumbing: a background loop that reports crashes instead of dying silently."""
-
-        name = "stage"
-
-        def _launch(self, coro: Any) -> None:
-            self._task = asyncio.create_task(self._guard(coro))
-
-        async def _guard(self, coro: Any) -> None:
-            try:
-                await coro
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                self.metrics.send(Event("error", {"actor": self.name, "traceback": traceback.format_exc()}))
-            finally:
-                self.busy.flush()
-
-        async def __cleanup__(self, exc: Any) -> None:
-            await _cancel(getattr(self, "_task", None))
+    class _Stage(stage_base(api)):  # launch / guard / cleanup: grpo_nb.ring
+        def _loop_ended(self) -> None:
+            self.busy.flush()
 
     class Generator(_Stage):
         def __init__(self, cfg: ToyConfig, weights: dict, out: Any, metrics: Any) -> None:
@@ -108,7 +61,7 @@ def actor_classes(api: ModuleType) -> SimpleNamespace:
         async def start(self) -> None:
             rank = api.current_rank().rank
             self.name = f"gen{rank}"
-            self.busy = _Busy(self.name, self.metrics)
+            self.busy = Busy(self.name, self.metrics)
             self.rng = torch.Generator().manual_seed(self.cfg.seed * 1009 + 17 * rank + 1)
             self._launch(self._produce())
 
@@ -152,7 +105,7 @@ def actor_classes(api: ModuleType) -> SimpleNamespace:
 
         @api.endpoint
         async def drain(self) -> None:
-            await _cancel(getattr(self, "_task", None))
+            await cancel_task(getattr(self, "_task", None))
             self.busy.flush()
             self.out.send(None)
 
@@ -163,7 +116,7 @@ def actor_classes(api: ModuleType) -> SimpleNamespace:
             self.cfg, self.metrics = cfg, metrics
             self.teacher = build_teacher(cfg)
             self.port, self.inbox = api.Channel.open()
-            self.busy = _Busy(self.name, metrics)
+            self.busy = Busy(self.name, metrics)
 
         @api.endpoint
         async def inlet(self) -> Any:
@@ -196,7 +149,7 @@ def actor_classes(api: ModuleType) -> SimpleNamespace:
             self.policy.load_state_dict(weights)
             self.policy.requires_grad_(False)
             self.port, self.inbox = api.Channel.open()
-            self.busy = _Busy(self.name, metrics)
+            self.busy = Busy(self.name, metrics)
 
         @api.endpoint
         async def inlet(self) -> Any:
@@ -229,7 +182,7 @@ def actor_classes(api: ModuleType) -> SimpleNamespace:
             self.eval_obs = torch.randn(cfg.eval_states, cfg.obs_dim, generator=eval_gen)
             self.eval_best = best_arm(self.teacher, self.eval_obs)
             self.port, self.inbox = api.Channel.open()
-            self.busy = _Busy(self.name, metrics)
+            self.busy = Busy(self.name, metrics)
 
         @api.endpoint
         async def inlet(self) -> Any:

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 import grpo_nb.actors
-import grpo_nb.toy_actors
+import grpo_nb.ring
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.toy import ToyConfig, cli, run_ring
 
@@ -69,13 +69,13 @@ def test_more_generators_make_samples_staler() -> None:
 
 def test_cancelling_a_running_ring_stops_every_actor_quickly(monkeypatch: pytest.MonkeyPatch) -> None:
     cancelled_loops: list[int] = []
-    original = grpo_nb.toy_actors._cancel
+    original = grpo_nb.ring.cancel_task
 
-    async def counting_cancel(task: asyncio.Task | None) -> None:
+    async def counting_cancel(task: asyncio.Task | None, *, quiet: bool = False) -> None:
         cancelled_loops.append(1)
-        await original(task)
+        await original(task, quiet=quiet)
 
-    monkeypatch.setattr(grpo_nb.toy_actors, "_cancel", counting_cancel)
+    monkeypatch.setattr(grpo_nb.ring, "cancel_task", counting_cancel)
 
     async def main() -> float:
         started = asyncio.Event()
@@ -125,13 +125,13 @@ def test_monarch_backend_missing_gives_a_clear_message(monkeypatch, capsys) -> N
 def test_keyboard_interrupt_in_the_controller_still_stops_every_actor(monkeypatch: pytest.MonkeyPatch) -> None:
     """A notebook interrupt lands in controller code (here: the on_step callback)."""
     cancelled_loops: list[int] = []
-    original = grpo_nb.toy_actors._cancel
+    original = grpo_nb.ring.cancel_task
 
-    async def counting_cancel(task: asyncio.Task | None) -> None:
+    async def counting_cancel(task: asyncio.Task | None, *, quiet: bool = False) -> None:
         cancelled_loops.append(1)
-        await original(task)
+        await original(task, quiet=quiet)
 
-    monkeypatch.setattr(grpo_nb.toy_actors, "_cancel", counting_cancel)
+    monkeypatch.setattr(grpo_nb.ring, "cancel_task", counting_cancel)
 
     def on_step(rec: MetricsRecorder) -> None:
         if len(rec.rows("step")) == 3:
