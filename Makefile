@@ -67,7 +67,7 @@ pytest: setup system-deps
 	GRPO_NB_SMOKE=1 $(BIN)/pytest -q tests
 
 nbtest: setup
-	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=900 --durations=0 -n $(NB_WORKERS) --dist loadfile notebooks
+	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=660 --reruns 1 --durations=0 -n $(NB_WORKERS) --dist loadfile notebooks
 
 test: lint check-notebooks pytest nbtest
 
