@@ -49,3 +49,15 @@ def _no_vllm_left_behind() -> Iterator[None]:
     for server in forgotten:  # a test that forgot stop(): clean up, then fail
         server.stop()
     assert not left, f"vLLM processes left behind: {left} (servers {forgotten})"
+
+
+@pytest.fixture(scope="module")
+def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An untrained tiny Qwen3 + tokenizer saved to disk (one per test module: no SFT wait)."""
+    from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    out = tmp_path_factory.mktemp("random-tiny-qwen3")
+    build_model(TinyModelConfig(), tok).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

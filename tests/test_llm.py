@@ -50,17 +50,6 @@ def test_smoke_preset_is_smaller_and_valid() -> None:
 # ── trainer, no server ──
 
 
-@pytest.fixture(scope="module")
-def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
-
-    tok = build_tokenizer()
-    out = tmp_path_factory.mktemp("random-tiny-qwen3")
-    build_model(TinyModelConfig(), tok).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def _group(prompt: list[int], completions: list[list[int]], rewards: list[float],
            version: int = 0) -> ScoredGroup:
     from grpo_nb.grpo import group_advantages

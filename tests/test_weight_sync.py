@@ -59,17 +59,6 @@ def test_unreachable_server_raises_and_version_does_not_advance() -> None:
 
 
 @pytest.fixture(scope="module")
-def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
-
-    tok = build_tokenizer()
-    out = tmp_path_factory.mktemp("random-tiny-qwen3")
-    build_model(TinyModelConfig(), tok).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def sync_server(random_model_dir: Path) -> Iterator[object]:
     pytest.importorskip("vllm")
     from grpo_nb.serving import ServerConfig, VLLMServer
