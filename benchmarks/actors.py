@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from grpo_nb import actors
-from grpo_nb.toy import Group, ToyConfig, run_ring
+from grpo_nb.toy.run import run_ring
+from grpo_nb.toy.task import Group, ToyConfig
 
 
 def payloads() -> dict[str, Any]:

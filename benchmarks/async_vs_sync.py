@@ -20,7 +20,8 @@ from dataclasses import asdict
 
 
 async def _both(steps: int, seed: int) -> dict:
-    from grpo_nb.llm import LLMConfig, start_server, train
+    from grpo_nb.llm.config import LLMConfig
+    from grpo_nb.llm.run import start_server, train
     from grpo_nb.tiny_model import TinyModelConfig, build_or_load
 
     model_dir = str(build_or_load(TinyModelConfig(), progress=False))

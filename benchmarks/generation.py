@@ -11,7 +11,7 @@ Usage::
 
     python benchmarks/generation.py [--prompts 64] [--new-tokens 32] [--in-flight 1 8 32]
 
-On CPU expect a ratio below 1 (see DESIGN.md): vLLM's worker uses one core and the request
+On CPU expect a ratio near or below 1: vLLM's worker uses one core and the request
 path costs HTTP + scheduling per token batch, while transformers batches the whole set in
 process. vLLM's value here is the architecture (a separate server, continuous batching,
 logprobs, weight updates), not speed; on a GPU the ratio flips.
@@ -27,7 +27,7 @@ import time
 
 async def _vllm_tokens_per_s(server, prompts: list[list[int]], new_tokens: int,
                              in_flight: int) -> float:
-    from grpo_nb.client import ClientConfig, CompletionsClient
+    from grpo_nb.serving.client import ClientConfig, CompletionsClient
 
     async with CompletionsClient.for_server(server, ClientConfig(max_in_flight=in_flight)) as c:
         await c.complete(prompts[0], max_tokens=2)  # warm the request path
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers import AutoTokenizer
 
-    from grpo_nb.serving import ServerConfig, VLLMServer
+    from grpo_nb.serving.server import ServerConfig, VLLMServer
     from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset
     from grpo_nb.tiny_model import TinyModelConfig, build_or_load
 

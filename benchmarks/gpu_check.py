@@ -51,25 +51,25 @@ def build(arch: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
 def groups(n_prompts: int, group: int, prompt_len: int, completion_len: int, vocab: int,
            seed: int) -> list[Any]:
     from grpo_nb.grpo import group_advantages
-    from grpo_nb.llm_trainer import ScoredGroup
+    from grpo_nb.serving.rollouts import Group, Rollout
 
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(n_prompts):
+    for i in range(n_prompts):
         rewards = torch.randint(0, 2, (group,), generator=gen).float()
         comps = torch.randint(0, vocab, (group, completion_len), generator=gen).tolist()
-        out.append(ScoredGroup(
-            prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(),
-            answer="", completions=comps, sampler_logprobs=[[-12.0] * completion_len] * group,
-            finish_reasons=["stop"] * group, texts=[""] * group, version=0,
-            rewards=rewards.tolist(), advantages=group_advantages(rewards, group).tolist()))
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+        adv = group_advantages(rewards, group).tolist()
+        rollouts = [Rollout(prompt, c, [-12.0] * completion_len, "", "stop", r, a)
+                    for c, r, a in zip(comps, rewards.tolist(), adv, strict=True)]
+        out.append(Group(i, "", "", prompt, rollouts, 0, 0.0, 0.0))
     return out
 
 
 def part_a(args: argparse.Namespace, device: str) -> tuple[dict[str, Any], Any, Any]:
     """Trainer side: returns figures, the trainer and the LLM config."""
-    from grpo_nb.llm_config import LLMConfig
-    from grpo_nb.llm_trainer import PolicyTrainer
+    from grpo_nb.llm.config import LLMConfig
+    from grpo_nb.llm.trainer import PolicyTrainer
 
     arch = DRY if args.dry_run else QWEN3_06B
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -122,7 +122,7 @@ def _save_for_vllm(model: Any, folder: Path) -> None:
 
 def part_b(args: argparse.Namespace, pt: Any, cfg: Any, device: str) -> dict[str, Any]:
     """vLLM server + weight sync in a train → sync → verify loop."""
-    from grpo_nb.serving import ServerConfig, VLLMServer
+    from grpo_nb.serving.server import ServerConfig, VLLMServer
     from grpo_nb.weight_sync import WeightSyncConfig, WeightSyncer
 
     n_gpu = torch.cuda.device_count()

@@ -37,7 +37,7 @@ def gloo_floor_ms(nbytes: int, repeats: int) -> float:
     """Median ms of a raw gloo broadcast of ``nbytes`` to one other local process."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    from grpo_nb.weight_sync.syncer import free_port
+    from grpo_nb.serving.server import free_port
 
     port = free_port()
     peer = mp.get_context("spawn").Process(target=_gloo_peer, args=(port, nbytes, repeats))
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
 
-    from grpo_nb.serving import ServerConfig, VLLMServer
+    from grpo_nb.serving.server import ServerConfig, VLLMServer
     from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
     from grpo_nb.weight_sync import WeightSyncConfig, WeightSyncer, model_bytes
 

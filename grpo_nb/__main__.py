@@ -3,11 +3,11 @@
 Commands (each lives in the module that owns the work; imports are lazy so that ``doctor``
 works even when vLLM or Monarch is missing)::
 
-    doctor     what is installed, and what each notebook needs     grpo_nb.doctor
-    toy        run the toy GRPO ring headless, write a PNG          grpo_nb.toy
-    rollouts   tiny model + vLLM server + groups of completions     grpo_nb.rollouts
-    train      the asynchronous GRPO loop on the LLM                grpo_nb.llm
-    handouts   student copies, executed HTML pages, one PDF         grpo_nb.handouts
+    doctor     what is installed, and what each notebook needs     grpo_nb.course.doctor
+    toy        run the toy GRPO ring headless, write a PNG          grpo_nb.toy.run
+    rollouts   tiny model + vLLM server + groups of completions     grpo_nb.serving.cli
+    train      the asynchronous GRPO loop on the LLM                grpo_nb.llm.run
+    handouts   student copies, executed HTML pages, one PDF         grpo_nb.course.handouts
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "doctor": ("grpo_nb.doctor", "check the environment (versions, CPU/GPU, memory, notebooks)"),
-    "toy": ("grpo_nb.toy", "run the toy GRPO ring and write its plot"),
-    "rollouts": ("grpo_nb.rollouts", "serve the tiny model with vLLM and sample scored groups"),
-    "train": ("grpo_nb.llm", "asynchronous (or synchronous) GRPO on the LLM with weight sync"),
-    "handouts": ("grpo_nb.handouts", "build workshop handouts (student copies, HTML, PDF)"),
+    "doctor": ("grpo_nb.course.doctor", "check the environment (versions, CPU/GPU, memory, notebooks)"),
+    "toy": ("grpo_nb.toy.run", "run the toy GRPO ring and write its plot"),
+    "rollouts": ("grpo_nb.serving.cli", "serve the tiny model with vLLM and sample scored groups"),
+    "train": ("grpo_nb.llm.cli", "asynchronous (or synchronous) GRPO on the LLM with weight sync"),
+    "handouts": ("grpo_nb.course.handouts", "build workshop handouts (student copies, HTML, PDF)"),
 }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +206,9 @@ def save_figure(rec: MetricsRecorder, path: Path | str, **kwargs: Any) -> Path:
     return path
 
 
-def load_run(run_dir: Path | str, **kwargs: Any) -> Figure:
-    """Re-plot a finished (or interrupted) toy run from its ``metrics.jsonl``."""
-    return toy_figure(load_metrics(run_dir), window_s=None, **kwargs)
+def load_run(run_dir: Path | str, *, figure: Callable[..., Figure] = toy_figure,
+             **kwargs: Any) -> Figure:
+    """Re-plot a finished (or interrupted) run from its ``metrics.jsonl``: the toy ring's figure
+    by default, or ``figure=grpo_nb.llm.dashboard.llm_figure`` for an LLM run."""
+    kwargs.setdefault("window_s", None)
+    return figure(load_metrics(run_dir), **kwargs)

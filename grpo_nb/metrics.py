@@ -2,7 +2,7 @@
 
 Every row has a ``kind`` (``"step"``, ``"busy"``, ``"eval"``, ``"sync"``, …) and a time ``t`` in
 seconds since the recorder started. The toy ring and the LLM ring both write here; the plots in
-:mod:`grpo_nb.live` and :mod:`grpo_nb.dashboard` only read rows, so a finished run re-plots from
+:mod:`grpo_nb.live` and :mod:`grpo_nb.llm.dashboard` only read rows, so a finished run re-plots from
 its JSONL file exactly as it looked live::
 
     actors ──log()──► MetricsRecorder ──► metrics.jsonl

@@ -1,45 +1,62 @@
-"""What the toy ring (:mod:`grpo_nb.toy_actors`) and the LLM ring (:mod:`grpo_nb.llm_ring`)
-share: the plumbing of an actor whose work is a background loop.
+"""One ring, two scales: the pipeline stage and the controller that both GRPO rings are built on.
 
-Both rings are written once against an actor API module (``grpo_nb.actors`` or
-``monarch.actor``), and every stage in them follows the same pattern::
+The toy ring (:mod:`grpo_nb.toy.actors`, an MLP policy) and the LLM ring
+(:mod:`grpo_nb.llm.actors`, a Qwen model served by vLLM) have the same shape::
 
-    start (endpoint) ──► _launch(loop) ──► task: _guard(loop)
-                                              │ crash: Event("error", actor, error, traceback)
-                                              ▼            ──► controller (metrics port)
-    __cleanup__ (actor stopped) ──► cancel_task(task)
+    Generator × K ──msg──► Scorer ──msg──► Reference ──msg──► Trainer
+         ▲    (Source)            (Relay)           (Relay)      │ (Sink)
+         └─────────── new weights / progress (fire-and-forget) ◄─┘
+    every stage ──Event("busy" | "step" | ... | "exited" | "error")──► Controller ──► MetricsRecorder
 
-- :class:`Event` is the one message type on the metrics port (a module-level dataclass, so it
-  pickles between Monarch processes);
-- :func:`cancel_task` cancels a loop and waits until it has really finished;
-- :class:`Busy` batches an actor's busy intervals (the timeline plots) into few messages;
-- :func:`stage_base` builds the ``_Stage`` base class for one actor API module.
+Each ring writes only what differs: what its generator makes, what its scorer and reference
+do to a message (:meth:`Relay.process`), what its trainer does with a batch. This module owns
+the rest, once:
+
+- :class:`Stage` — an actor whose work is a background loop started by an endpoint (so its
+  mailbox stays free for control messages); a loop that crashes reports its traceback to the
+  controller instead of dying silently; ``__cleanup__`` cancels the loop when the mesh stops.
+- :class:`Source` / :class:`Relay` / :class:`Sink` — the three positions in the pipeline and
+  the two-phase shutdown: the trainer calls ``drain`` on every generator, each sends one
+  ``None``; a relay forwards one ``None`` once it has seen one from each of its ``upstream``
+  senders; the trainer discards what is still queued (:meth:`Sink.discard_queued`).
+- :class:`Controller` — spawn the stages (on asyncio or on real Monarch processes), relay their
+  events into a :class:`~grpo_nb.metrics.MetricsRecorder`, race that against watchers (a dead
+  server, a Stop button), and always stop every mesh.
+
+The classes are plain module-level :class:`grpo_nb.actors.Actor` subclasses, so the same
+classes spawn on torchmonarch processes (:func:`grpo_nb.actors.class_for`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 import traceback
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
-from functools import cache
-from types import ModuleType
 from typing import Any
+
+from grpo_nb.actors import Actor, Channel, backend, class_for, endpoint
+from grpo_nb.metrics import MetricsRecorder
 
 
 @dataclass
 class Event:
     """What actors tell the controller through the metrics port.
 
-    ``kind`` is e.g. ``"step"``, ``"busy"``, ``"exited"`` or ``"error"`` (the LLM ring also
-    sends ``"sync"``, ``"eval"`` and ``"dropped"``). An ``"error"`` event's ``data`` is
-    ``{"actor": name, "error": repr(exception), "traceback": formatted traceback}``.
+    ``kind`` is ``"busy"`` (``data``: rows ``(actor, label, start, end)``), ``"exited"``,
+    ``"error"`` (``{"actor", "error", "traceback"}``) or a ring's own row kind (``"step"``,
+    ``"sync"``, ``"eval"``, ``"dropped"`` …), which the controller logs as a metrics row.
     """
 
     kind: str
     data: Any
+
+
+class RingError(RuntimeError):
+    """A ring actor failed; the message carries its name and traceback."""
 
 
 async def cancel_task(task: asyncio.Task | None, *, quiet: bool = False) -> None:
@@ -74,38 +91,207 @@ class Busy:
         self.last_flush = time.time()
 
 
-@cache
-def stage_base(api: ModuleType) -> type:
-    """The ``_Stage`` base class (an ``api.Actor``) that every stage of both rings extends."""
+class Stage(Actor):
+    """Base of every ring actor: a background loop that reports crashes, and the metrics port.
 
-    class _Stage(api.Actor):
-        """Shared plumbing: a background loop that reports crashes instead of dying silently.
+    Subclasses call :meth:`attach` in ``__init__`` (or once their name is known) and start
+    their loop with :meth:`launch`.
+    """
 
-        Subclasses set ``self.metrics`` (the controller's port) and ``name``.
+    name = "stage"
+    quiet_cancel = False  # True: an exception while the loop unwinds after cancel is ignored
+
+    def attach(self, metrics: Any, name: str | None = None) -> None:
+        """Remember the controller's port and start batching busy intervals for it."""
+        self.metrics = metrics
+        if name is not None:
+            self.name = name
+        self.busy = Busy(self.name, metrics)
+
+    def report(self, kind: str, **data: Any) -> None:
+        self.metrics.send(Event(kind, data))
+
+    def launch(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._task = asyncio.create_task(self._guard(coro))
+
+    async def _guard(self, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            self.busy.flush()
+            self.report("error", actor=self.name, error=repr(err), traceback=traceback.format_exc())
+        finally:
+            self.busy.flush()
+
+    async def stop_loop(self) -> None:
+        await cancel_task(getattr(self, "_task", None), quiet=self.quiet_cancel)
+
+    async def __cleanup__(self, exc: Any) -> None:
+        await self.stop_loop()
+
+
+class Source(Stage):
+    """A generator: its loop produces messages into ``out`` until the trainer drains it."""
+
+    out: Any
+
+    @endpoint
+    async def drain(self) -> None:
+        """Stop producing, then tell the next stage this source is done (one ``None``)."""
+        await self.stop_loop()
+        self.busy.flush()
+        self.out.send(None)
+
+
+class Sink(Stage):
+    """A stage with an inlet: other stages send to the port it returns."""
+
+    def open_inlet(self) -> None:
+        self.port, self.inbox = Channel.open()
+
+    @endpoint
+    async def inlet(self) -> Any:
+        return self.port
+
+    async def discard_queued(self) -> int:
+        """After the sources were drained: read up to the ``None`` and count what was left."""
+        left = 0
+        while await self.inbox.recv() is not None:
+            left += 1  # produced but never trained on: the price of running ahead
+        return left
+
+
+class Relay(Sink):
+    """A middle stage: ``inlet → process(msg) → out``, forwarding one ``None`` at the end.
+
+    ``upstream`` is how many senders share the inlet (each ends with one ``None``);
+    ``label`` names the busy interval on the timeline.
+    """
+
+    upstream = 1
+    label = "work"
+
+    @endpoint
+    async def start(self, out: Any) -> None:
+        self.launch(self._relay(out))
+
+    async def _relay(self, out: Any) -> None:
+        ended = 0
+        while ended < self.upstream:
+            msg = await self.inbox.recv()
+            if msg is None:
+                ended += 1
+                continue
+            start = time.time()
+            out.send(await self.process(msg))
+            self.busy.add(self.label, start)
+        out.send(None)
+        self.busy.flush()
+        self.report("exited", actor=self.name)
+
+    async def process(self, msg: Any) -> Any:
+        """What this stage does to one message (returns the message to forward)."""
+        raise NotImplementedError
+
+
+async def _awaited(fut: Any) -> Any:
+    return await fut
+
+
+class Controller:
+    """Spawns a ring's stages, relays their events, watches for trouble, stops every mesh.
+
+    ``backend`` is ``"asyncio"`` (this process) or ``"monarch"`` (real processes); the same
+    actor classes run on both. ``here=True`` in :meth:`procs` puts actors in the controller's
+    own process (``this_proc()``), which on Monarch saves a process start.
+    """
+
+    def __init__(self, backend_name: str = "asyncio", recorder: MetricsRecorder | None = None,
+                 *, stop_timeout_s: float = 15.0) -> None:
+        self.api = backend(backend_name)
+        self.rec = recorder if recorder is not None else MetricsRecorder(None)
+        self.stop_timeout_s = stop_timeout_s
+        self.offset = self.rec.now() - time.time()  # actors stamp wall clock; rows use rec time
+        self.metrics, self.inbox = self.api.Channel.open()
+        self._meshes: list[Any] = []
+        self._procs: list[Any] = []
+
+    def procs(self, n: int = 1, *, here: bool = False) -> Any:
+        """A proc mesh of ``n`` processes (labelled ``gpus``), or this process."""
+        procs = self.api.this_proc() if here else self.api.this_host().spawn_procs(
+            per_host={"gpus": n})
+        if not here:
+            self._procs.append(procs)
+        return procs
+
+    def spawn(self, procs: Any, name: str, cls: type, *args: Any) -> Any:
+        """One ``cls`` actor per process of ``procs`` (``cls`` is a module-level actor class)."""
+        mesh = procs.spawn(name, class_for(cls, self.api), *args)
+        self._meshes.append(mesh)
+        return mesh
+
+    async def relay(self, until: Collection[str], *,
+                    on_event: Callable[[Event], None] | None = None,
+                    watchers: Sequence[Awaitable[Any]] = (),
+                    explain: Callable[[Event], Awaitable[BaseException]] | None = None,
+                    ) -> dict[str, dict[str, Any]]:
+        """Relay events until every actor named in ``until`` has exited; return their exit data.
+
+        ``"busy"`` rows and the ring's own rows go to the recorder, then to ``on_event``.
+        ``watchers`` run beside the relay: one that raises ends it with that exception (a dead
+        server), one that returns just ends (a Stop button that sent its message). An
+        ``"error"`` event raises :class:`RingError`, or what ``explain(event)`` returns.
         """
+        waiting, exited = set(until), {}
+        tasks = {asyncio.ensure_future(w) for w in watchers}
+        recv: asyncio.Future | None = None
+        try:
+            while waiting:
+                if recv is None:
+                    recv = asyncio.ensure_future(_awaited(self.inbox.recv()))
+                done, _ = await asyncio.wait({recv, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+                for task in done - {recv}:
+                    tasks.discard(task)
+                    task.result()  # a watcher's exception ends the run
+                if recv not in done:
+                    continue
+                event, recv = recv.result(), None
+                if event.kind == "exited":
+                    waiting.discard(event.data["actor"])
+                    exited[event.data["actor"]] = event.data
+                elif event.kind == "error":
+                    if explain is not None:
+                        raise await explain(event)
+                    raise RingError(f"ring actor {event.data['actor']} failed: "
+                                    f"{event.data['error']}\n{event.data['traceback']}")
+                elif event.kind == "busy":
+                    for actor, label, start, end in event.data:
+                        self.rec.log("busy", t=end + self.offset, actor=actor, label=label,
+                                     start=start + self.offset, end=end + self.offset)
+                else:
+                    self.rec.log(event.kind, **event.data)
+                if on_event is not None:
+                    on_event(event)
+        finally:
+            for task in [*tasks, *([recv] if recv is not None else [])]:
+                await cancel_task(task, quiet=True)
+        return exited
 
-        name = "stage"
-        metrics: Any
-        quiet_cancel = False  # passed to cancel_task by __cleanup__
-
-        def _launch(self, coro: Coroutine[Any, Any, None]) -> None:
-            self._task = asyncio.create_task(self._guard(coro))
-
-        async def _guard(self, coro: Coroutine[Any, Any, None]) -> None:
+    async def stop(self) -> None:
+        """Stop every actor mesh, then every proc mesh; a stop that hangs is reported, not
+        waited on for ever, and never keeps the others from stopping."""
+        for mesh in [*reversed(self._meshes), *self._procs]:
             try:
-                await coro
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                self.metrics.send(Event("error", {"actor": self.name, "error": repr(err),
-                                                  "traceback": traceback.format_exc()}))
-            finally:
-                self._loop_ended()
+                await asyncio.wait_for(asyncio.ensure_future(_awaited(mesh.stop())),
+                                       self.stop_timeout_s)
+            except (Exception, TimeoutError) as err:
+                print(f"warning: stopping {mesh!r} failed: {err!r}", file=sys.stderr)
+        self._meshes, self._procs = [], []
 
-        def _loop_ended(self) -> None:
-            """Hook: runs after the loop has ended, however it ended (and after any error event)."""
+    async def __aenter__(self) -> Controller:
+        return self
 
-        async def __cleanup__(self, exc: Any) -> None:
-            await cancel_task(getattr(self, "_task", None), quiet=self.quiet_cancel)
-
-    return _Stage
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()

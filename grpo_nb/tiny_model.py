@@ -48,7 +48,7 @@ _FORMAT_VERSION = 2  # bump when the build recipe changes, so old caches are not
 class TinyModelConfig:
     """Architecture, warm-start recipe and task of the tiny model (all part of the cache key).
 
-    The architecture is DESIGN.md's calibration (≈ 0.3M parameters). SFT draws a fresh batch
+    The architecture was calibrated on a 2-core CPU (≈ 0.3M parameters). SFT draws a fresh batch
     of ``batch_size`` problems every step (never a test problem), AdamW with ``lr`` after a
     linear warm-up of ``warmup_steps``, until greedy accuracy on ``eval_size`` test problems
     reaches ``target_acc`` (checked every ``eval_every`` steps, and after *every* step once

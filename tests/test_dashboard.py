@@ -8,7 +8,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from grpo_nb.dashboard import compare_figure, llm_figure, load_run, save_dashboard  # noqa: E402
+from grpo_nb.live import load_run  # noqa: E402
+from grpo_nb.llm.dashboard import compare_figure, llm_figure, save_dashboard  # noqa: E402
 from grpo_nb.metrics import MetricsRecorder  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def test_saved_run_replots_from_jsonl(tmp_path: Path) -> None:
     rec.close()
     png = save_dashboard(tmp_path / "run")
     assert png.is_file() and png.stat().st_size > 10_000
-    fig = load_run(tmp_path / "run")
+    fig = load_run(tmp_path / "run", figure=llm_figure)
     reward_ax = fig.axes[0]
     xs = reward_ax.lines[0].get_xdata()
     assert len(xs) == 20  # every logged step came back from the file

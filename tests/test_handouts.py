@@ -14,8 +14,8 @@ import nbformat
 import pytest
 from browser_helpers import FIXTURE_SOLUTION, fixture_notebook
 
-from grpo_nb import handouts
-from grpo_nb.handouts_render import FROM_WIDGET, WIDGET_VIEW
+from grpo_nb.course import handouts
+from grpo_nb.course.handouts_render import FROM_WIDGET, WIDGET_VIEW
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_nb.llm_config import LLMConfig
-from grpo_nb.llm_trainer import PolicyTrainer, ScoredGroup, make_batch
+from grpo_nb.llm.config import LLMConfig
+from grpo_nb.llm.trainer import PolicyTrainer, make_batch
+from grpo_nb.serving.rollouts import Group, Rollout
 
 # ── config ──
 
@@ -51,14 +52,13 @@ def test_smoke_preset_is_smaller_and_valid() -> None:
 
 
 def _group(prompt: list[int], completions: list[list[int]], rewards: list[float],
-           version: int = 0) -> ScoredGroup:
+           version: int = 0) -> Group:
     from grpo_nb.grpo import group_advantages
 
-    return ScoredGroup(prompt_ids=prompt, answer="", completions=completions,
-                       sampler_logprobs=[[-1.0] * len(c) for c in completions],
-                       finish_reasons=["stop"] * len(completions), texts=[""] * len(completions),
-                       version=version, rewards=rewards,
-                       advantages=group_advantages(torch.tensor(rewards), len(rewards)).tolist())
+    adv = group_advantages(torch.tensor(rewards), len(rewards)).tolist()
+    rollouts = [Rollout(prompt, c, [-1.0] * len(c), "", "stop", r, a, policy_version=version)
+                for c, r, a in zip(completions, rewards, adv, strict=True)]
+    return Group(0, "", "", prompt, rollouts, version, 0.0, 0.0)
 
 
 def test_make_batch_pads_and_masks_only_completion_tokens() -> None:
@@ -72,7 +72,7 @@ def test_make_batch_pads_and_masks_only_completion_tokens() -> None:
 
 
 def test_trainer_step_moves_probability_towards_rewarded_completion(random_model_dir) -> None:
-    from grpo_nb.llm_trainer import sequence_logprobs
+    from grpo_nb.llm.trainer import sequence_logprobs
     from grpo_nb.tiny_model import load_hf
 
     model, tok = load_hf(random_model_dir)
@@ -112,6 +112,94 @@ def test_checkpoint_round_trip(random_model_dir, tmp_path: Path) -> None:
     assert other.opt.state_dict()["state"].keys() == pt.opt.state_dict()["state"].keys()
 
 
+# ── the controller's watchers, no server ──
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "60"])
+
+
+def test_server_watch_ends_the_relay_when_the_server_process_exits() -> None:
+    """No polling: the watcher wakes when the process exits, and names the server."""
+    from types import SimpleNamespace
+
+    from grpo_nb.llm.run import RunAborted, ServerWatch
+    from grpo_nb.ring import Controller
+
+    proc = _sleeper()
+    server = SimpleNamespace(proc=proc, url="http://127.0.0.1:1")
+
+    async def main() -> float:
+        watch = ServerWatch(server)
+        assert await watch.gone_within(0.2) is None  # alive: no blame after the grace
+        asyncio.get_running_loop().call_later(0.3, proc.kill)
+        start = time.monotonic()
+        try:
+            with pytest.raises(RunAborted, match=r"vLLM server at http://127.0.0.1:1 exited "
+                                                 r"\(code -9\): run aborted at step 7"):
+                relay = Controller().relay({"trainer"}, watchers=[watch.died(lambda: 7)])
+                await asyncio.wait_for(relay, 5.0)  # a watcher that never fires: fail, not hang
+        finally:
+            watch.close()
+        assert await watch.gone_within(0.0) is not None  # dead: named at once
+        return time.monotonic() - start
+
+    try:
+        assert asyncio.run(main()) < 2.0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_error_explained_by_a_server_that_dies_within_the_grace() -> None:
+    """An actor error that arrives before the server process is gone still blames it."""
+    from types import SimpleNamespace
+
+    from grpo_nb.llm.run import ServerWatch
+
+    proc = _sleeper()
+
+    async def main() -> str | None:
+        watch = ServerWatch(SimpleNamespace(proc=proc, url="http://s"))
+        asyncio.get_running_loop().call_later(0.5, proc.kill)
+        try:
+            return await watch.gone_within(5.0)
+        finally:
+            watch.close()
+
+    try:
+        assert asyncio.run(main()) == "the vLLM server at http://s exited (code -9)"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_stop_must_be_an_asyncio_event() -> None:
+    import threading
+
+    from grpo_nb.llm.data import RingSpec
+    from grpo_nb.llm.run import run_ring
+    from grpo_nb.metrics import MetricsRecorder
+
+    spec = RingSpec("http://s", "m", "/nowhere", [])
+    with pytest.raises(TypeError, match="asyncio.Event"):
+        asyncio.run(run_ring(LLMConfig(), spec, MetricsRecorder(None), stop=threading.Event()))
+
+
+def test_the_four_actors_build_as_monarch_actors() -> None:
+    pytest.importorskip("monarch.actor")
+    from grpo_nb.actors import backend, class_for
+    from grpo_nb.llm.actors import Generator, Reference, Scorer, Trainer
+
+    api = backend("monarch")
+    for cls, endpoints in [(Generator, {"start", "progress", "drain"}),
+                           (Scorer, {"inlet", "start"}), (Reference, {"inlet", "start"}),
+                           (Trainer, {"inlet", "start", "request_stop"})]:
+        twin = class_for(cls, api)
+        assert issubclass(twin, api.Actor) and issubclass(twin, cls)
+        assert endpoints <= set(vars(twin))
+
+
 # ── real runs ──
 
 SMALL = {"steps": 4, "generators": 2, "prompts_per_step": 4, "group_size": 4,
@@ -122,7 +210,7 @@ SMALL = {"steps": 4, "generators": 2, "prompts_per_step": 4, "group_size": 4,
 @pytest.fixture(scope="module")
 def ring_server(random_model_dir: Path) -> Iterator[object]:
     pytest.importorskip("vllm")
-    from grpo_nb.llm import start_server
+    from grpo_nb.llm.run import start_server
 
     server = start_server(str(random_model_dir), LLMConfig(), progress=False)
     try:
@@ -143,7 +231,7 @@ def _overlaps(rec, a: str, b: str) -> float:
 @pytest.mark.slow
 def test_async_and_sync_modes_run_verify_and_schedule_differently(
         ring_server, random_model_dir, tmp_path: Path, monkeypatch) -> None:
-    from grpo_nb.llm import train
+    from grpo_nb.llm.run import train
     from grpo_nb.metrics import load_metrics
 
     monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
@@ -164,7 +252,7 @@ def test_async_and_sync_modes_run_verify_and_schedule_differently(
     assert results["sync"].staleness_mean == 0.0
 
     # resume: continue the async run to 6 steps from its checkpoint
-    from grpo_nb.llm import train as train_again
+    from grpo_nb.llm.run import train as train_again
 
     cfg = LLMConfig(mode="async", **{**SMALL, "steps": 6})
     r = asyncio.run(train_again(cfg, model_dir=random_model_dir, resume=tmp_path / "async",
@@ -177,11 +265,37 @@ def test_async_and_sync_modes_run_verify_and_schedule_differently(
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_stop_event_ends_the_run_early_on_verified_weights(ring_server, random_model_dir,
+                                                          tmp_path, monkeypatch) -> None:
+    """The notebook's Stop button: the trainer finishes its step, drains, syncs, checkpoints."""
+    from grpo_nb.llm.run import train
+
+    monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
+
+    async def main():
+        stop = asyncio.Event()
+
+        def on_event(kind: str, rec) -> None:
+            if kind == "step":
+                stop.set()
+
+        return await train(LLMConfig(**{**SMALL, "steps": 50}), model_dir=random_model_dir,
+                           name="stop", server=ring_server, on_event=on_event, stop=stop,
+                           smoke=True, progress=False)
+
+    r = asyncio.run(main())
+    assert 1 <= r.steps <= 2 and r.weights_verified, r
+    state = json.loads((tmp_path / "stop" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == r.steps
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_killing_the_server_ends_the_run_with_a_clear_error(ring_server, random_model_dir,
                                                              tmp_path, monkeypatch) -> None:
     """Runs after the ring test in this module: it kills the module's server."""
-    from grpo_nb import serving
-    from grpo_nb.llm import RunAborted, train
+    from grpo_nb.llm.run import RunAborted, train
+    from grpo_nb.serving import server as serving
 
     monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
     killed_at: list[float] = []

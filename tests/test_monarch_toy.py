@@ -9,7 +9,8 @@ import pytest
 
 import grpo_nb.actors
 from grpo_nb.metrics import MetricsRecorder
-from grpo_nb.toy import ToyConfig, run_ring
+from grpo_nb.toy.run import run_ring
+from grpo_nb.toy.task import ToyConfig
 
 pytestmark = [pytest.mark.monarch, pytest.mark.slow]
 
@@ -28,3 +29,22 @@ def test_toy_ring_runs_on_monarch_processes() -> None:
     assert all(r["queue_depth"] is None for r in rows), "Monarch's receiver has no qsize()"
     assert {"gen0", "gen1", "scorer", "reference", "trainer"} <= {r["actor"] for r in rec.rows("busy")}
     assert min(s for r in rows for s in r["staleness"]) >= 0
+
+
+def test_module_level_actor_classes_travel_by_name_to_monarch_processes() -> None:
+    """The Monarch twin of a module-level class is found again by pickle in any process
+    (what lets Monarch start it elsewhere); on asyncio the class itself is spawned."""
+    import pickle
+
+    from grpo_nb.actors import class_for
+    from grpo_nb.toy.actors import Trainer
+
+    if not grpo_nb.actors.monarch_available():
+        pytest.fail("torchmonarch is not importable; deselect with -m 'not monarch'")
+    assert class_for(Trainer, grpo_nb.actors.backend("asyncio")) is Trainer
+    twin = class_for(Trainer, grpo_nb.actors.backend("monarch"))
+    import monarch.actor
+
+    assert issubclass(twin, Trainer) and issubclass(twin, monarch.actor.Actor)
+    assert pickle.loads(pickle.dumps(twin)) is twin
+    assert twin.__module__ == "grpo_nb.actors._monarch"

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from grpo_nb.client import ClientConfig, CompletionsClient
-from grpo_nb.rollouts import (
+from grpo_nb.serving.client import ClientConfig, CompletionsClient
+from grpo_nb.serving.rollouts import (
     LOGPROB_TOLERANCE,
     Group,
     Rollout,
@@ -90,7 +90,7 @@ def test_groups_rewards_advantages_and_logprob_agreement(vllm_server, tiny_model
 @pytest.mark.timeout(900)
 def test_failed_groups_are_dropped_and_counted_or_raised(vllm_server, tiny_model_dir, test_rows):
     """A prompt longer than the server's max length fails its group: skip counts it."""
-    from grpo_nb.client import CompletionError
+    from grpo_nb.serving.client import CompletionError
     from grpo_nb.tiny_model import load_hf
 
     _, tok = load_hf(tiny_model_dir)
@@ -117,7 +117,7 @@ def test_failed_groups_are_dropped_and_counted_or_raised(vllm_server, tiny_model
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_cli_prints_json_last_and_leaves_no_server(tiny_model_dir):
-    from grpo_nb.serving import find_server_processes
+    from grpo_nb.serving.server import find_server_processes
 
     proc = subprocess.run(
         [sys.executable, "-m", "grpo_nb", "rollouts", "--smoke", "--model", str(tiny_model_dir),

@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from grpo_nb.client import ClientConfig, CompletionError, CompletionsClient
-from grpo_nb.serving import ServerConfig, ServerStartError, VLLMServer, free_port
+from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient
+from grpo_nb.serving.server import ServerConfig, ServerStartError, VLLMServer, free_port
 
 # ---------------------------------------------------------------- no server needed
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_nb import config, doctor
+from grpo_nb import config
+from grpo_nb.course import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 

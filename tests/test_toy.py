@@ -13,7 +13,8 @@ import pytest
 import grpo_nb.actors
 import grpo_nb.ring
 from grpo_nb.metrics import MetricsRecorder
-from grpo_nb.toy import ToyConfig, cli, run_ring
+from grpo_nb.toy.run import cli, run_ring
+from grpo_nb.toy.task import ToyConfig
 
 
 def test_config_validation_names_the_field() -> None:

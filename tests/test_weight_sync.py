@@ -61,7 +61,7 @@ def test_unreachable_server_raises_and_version_does_not_advance() -> None:
 @pytest.fixture(scope="module")
 def sync_server(random_model_dir: Path) -> Iterator[object]:
     pytest.importorskip("vllm")
-    from grpo_nb.serving import ServerConfig, VLLMServer
+    from grpo_nb.serving.server import ServerConfig, VLLMServer
 
     cfg = ServerConfig.smoke(random_model_dir)
     for key, value in WeightSyncConfig().server_settings().items():

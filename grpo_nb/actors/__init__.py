@@ -5,7 +5,9 @@ Code written against this module runs on real Monarch processes by changing one 
     from grpo_nb.actors import Actor, Channel, endpoint, send, this_host   # one process, asyncio
     from monarch.actor import Actor, Channel, endpoint, send, this_host    # real processes
 
-or, without editing code, ``api = grpo_nb.actors.backend("monarch")`` and ``api.Actor`` etc.
+or, without editing code: write the actor classes once, at module level, against this module,
+and spawn them on either runtime's proc meshes with ``procs.spawn(name, class_for(Cls, api))``
+where ``api = backend("asyncio" | "monarch")`` (see :mod:`._monarch` for how).
 
 Data flow of a typical ring::
 
@@ -13,7 +15,8 @@ Data flow of a typical ring::
          ▲                  ▲                                                   │
          └──── Future ◄─────┴──────── endpoint.call() / send(..., "choose") ◄───┘
 
-Modules: :mod:`._core` (futures, errors, copying), :mod:`._ports` (channels),
+Modules: :mod:`._core` (futures, errors, copying), :mod:`._ports` (channels), :mod:`._monarch`
+(the same classes on Monarch),
 :mod:`._mesh` (actors, endpoints, meshes, ``send``).
 """
 
@@ -52,6 +55,7 @@ __all__ = [
     "ProcMesh",
     "ValueMesh",
     "backend",
+    "class_for",
     "concurrent_endpoint",
     "current_rank",
     "endpoint",
@@ -93,3 +97,13 @@ def backend(name: str = "asyncio") -> ModuleType:
         except ImportError as err:
             raise RuntimeError(MONARCH_MISSING) from err
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def class_for(cls: type, api: ModuleType) -> type:
+    """The class to spawn on ``api``'s proc meshes for the module-level actor class ``cls``:
+    ``cls`` itself on this runtime, its Monarch twin on ``monarch.actor``."""
+    if api.__name__ == __name__:
+        return cls
+    from grpo_nb.actors._monarch import on_monarch_class
+
+    return on_monarch_class(cls)

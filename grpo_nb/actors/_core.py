@@ -252,6 +252,11 @@ class Future(Generic[R]):
         return loop.run_until_complete(asyncio.wait_for(self._ensure(), timeout))
 
 
+# Set while a module-level actor class runs as a Monarch actor (grpo_nb.actors._monarch), so
+# the runtime functions its code calls (Channel.open, current_rank, send) use Monarch's.
+on_monarch: contextvars.ContextVar[bool] = contextvars.ContextVar("grpo_nb_on_monarch",
+                                                                  default=False)
+
 _current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar(
     "grpo_nb_actor_point", default=None
 )
@@ -259,6 +264,10 @@ _current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar(
 
 def current_rank() -> Point:
     """The position of the actor handling the current message within its mesh."""
+    if on_monarch.get():
+        import monarch.actor
+
+        return monarch.actor.current_rank()
     point = _current_point.get()
     if point is None:
         raise RuntimeError("current_rank() is only defined inside an actor endpoint")

@@ -285,7 +285,13 @@ class MeshEndpoint(Handle):
 
 def send(endpoint: MeshEndpoint, args: tuple, kwargs: dict, port: Port | None = None, selection: Selection = "all") -> None:
     """Fire-and-forget: ``selection="all"`` sends to every actor of the endpoint's mesh,
-    ``"choose"`` to one at random. With ``port``, each result (or error) is sent there."""
+    ``"choose"`` to one at random. With ``port``, each result (or error) is sent there.
+    A Monarch endpoint (an actor class running on Monarch processes) goes to Monarch's send."""
+    if not isinstance(endpoint, MeshEndpoint):
+        import monarch.actor
+
+        monarch.actor.send(endpoint, tuple(args), dict(kwargs), port=port, selection=selection)
+        return
     endpoint._send(tuple(args), dict(kwargs), port, selection)
 
 

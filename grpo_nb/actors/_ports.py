@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Generic, TypeVar
 
-from grpo_nb.actors._core import Future, Handle, transfer
+from grpo_nb.actors._core import Future, Handle, on_monarch, transfer
 
 R = TypeVar("R")
 
@@ -91,5 +91,9 @@ class Channel(Generic[R]):
 
     @staticmethod
     def open(once: bool = False) -> tuple[Port[R], PortReceiver[R]]:
+        if on_monarch.get():  # inside an actor running on Monarch: a Monarch channel
+            import monarch.actor
+
+            return monarch.actor.Channel.open(once)
         receiver: PortReceiver[R] = PortReceiver()
         return Port(receiver, once=once), receiver

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 
+from grpo_nb.serving.server import free_port
 from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError
 
 Transport = Literal["gloo", "reload", "nccl", "ipc"]
@@ -101,12 +101,6 @@ class SyncResult:
     ms: float
     bytes: int
     verified: bool | None  # None: not checked
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_bytes(model: torch.nn.Module) -> int:

@@ -55,8 +55,8 @@ def _rows_and_model(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]
 
 async def _generate(server: Any, tokenizer: Any, rows: list[dict[str, Any]],
                     args: argparse.Namespace, max_tokens: int) -> tuple[list[Any], float, Any]:
-    from grpo_nb.client import ClientConfig, CompletionsClient
-    from grpo_nb.rollouts import SamplingConfig, generate_groups
+    from grpo_nb.serving.client import ClientConfig, CompletionsClient
+    from grpo_nb.serving.rollouts import SamplingConfig, generate_groups
 
     sampling = SamplingConfig(max_tokens=max_tokens, temperature=args.temperature,
                               seed=args.seed)
@@ -68,12 +68,12 @@ async def _generate(server: Any, tokenizer: Any, rows: list[dict[str, Any]],
         return groups, time.perf_counter() - t0, client.stats
 
 
-def main(argv: list[str]) -> int:
+def cli(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_nb.rollouts import logprob_agreement, summarize
-    from grpo_nb.serving import ServerConfig, VLLMServer
+    from grpo_nb.serving.rollouts import logprob_agreement, summarize
+    from grpo_nb.serving.server import ServerConfig, VLLMServer
 
     model, rows, max_tokens = _rows_and_model(args)
     tokenizer = AutoTokenizer.from_pretrained(model)

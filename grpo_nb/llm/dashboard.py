@@ -5,10 +5,11 @@ run looks exactly as it did live::
 
     run_ring ─► MetricsRecorder ─► llm_figure(rec) ─► LiveDashboard (display handle + Stop)
                      │                              └► save_dashboard(run_dir) ─► dashboard.png
-                     └─ runs/<name>/metrics.jsonl ─► load_run(run_dir) ─► the same figure
+                     └─ runs/<name>/metrics.jsonl ─► live.load_run(run_dir, figure=llm_figure)
     {"async": rec_a, "sync": rec_s} ─► compare_figure() ─► reward / accuracy vs wall clock
 
-Panel helpers (timeline, staleness histogram, series) come from :mod:`grpo_nb.live`.
+Panel helpers (timeline, staleness histogram, series) and ``load_run`` come from
+:mod:`grpo_nb.live`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from grpo_nb.live import plot_series, plot_staleness, plot_timeline
-from grpo_nb.metrics import MetricsRecorder, load_metrics
+from grpo_nb.live import load_run, plot_series, plot_staleness, plot_timeline
+from grpo_nb.metrics import MetricsRecorder
 
 
 def _xy(rows: list[dict[str, Any]], key: str, x: str = "t") -> tuple[list, list]:
@@ -83,8 +84,8 @@ def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
 class LiveDashboard:
     """The dashboard in a notebook: one display handle updated in place, and a Stop button.
 
-    ``stop`` (an ``asyncio.Event``) is what :func:`grpo_nb.llm.train` watches; the button sets
-    it, and the ring then drains, syncs, evaluates, checkpoints and returns normally.
+    ``stop`` (an ``asyncio.Event``) is what :func:`grpo_nb.llm.run.train` awaits; the button
+    sets it, and the ring then drains, syncs, evaluates, checkpoints and returns normally.
     """
 
     def __init__(self, every_s: float = 2.0, *, button: bool = True) -> None:
@@ -106,7 +107,7 @@ class LiveDashboard:
         self.handle = display(self.fig, display_id=True)
 
     def __call__(self, kind: str, rec: MetricsRecorder) -> None:
-        """``on_event`` callback for :func:`grpo_nb.llm.train`."""
+        """``on_event`` callback for :func:`grpo_nb.llm.run.train`."""
         if kind in ("step", "eval") and time.monotonic() - self.last >= self.every_s:
             self.refresh(rec)
 
@@ -117,17 +118,12 @@ class LiveDashboard:
 
 
 def save_dashboard(run_dir: Path | str, name: str = "dashboard.png") -> Path:
-    """Re-plot a run folder's metrics as a PNG next to them."""
-    fig = load_run(run_dir)
+    """Re-plot a run folder's metrics as a PNG next to them (timeline: the last minute)."""
+    fig = load_run(run_dir, figure=llm_figure, window_s=60.0)
     path = Path(run_dir) / name
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
-
-
-def load_run(run_dir: Path | str, *, window_s: float | None = 60.0) -> Figure:
-    """The dashboard of a finished (or interrupted) run, from its ``metrics.jsonl``."""
-    return llm_figure(load_metrics(run_dir), window_s=window_s)
 
 
 def compare_figure(runs: dict[str, MetricsRecorder]) -> Figure:

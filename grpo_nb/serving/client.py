@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -53,8 +53,6 @@ class ClientStats:
     completion_tokens: int = 0
     errors: list[str] = field(default_factory=list)  # last few messages, newest last
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

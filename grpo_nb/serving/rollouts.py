@@ -29,8 +29,8 @@ from typing import Any, Literal
 
 import torch
 
-from grpo_nb.client import CompletionError, CompletionsClient
 from grpo_nb.grpo import group_advantages, token_logprobs
+from grpo_nb.serving.client import CompletionError, CompletionsClient
 from grpo_nb.tasks import render_prompt, reward
 
 # fp32 on both sides; measured max |Δ| on the tiny model: 4.3e-6 over 320 tokens (CLI smoke).
@@ -65,23 +65,35 @@ class SamplingConfig:
 
 @dataclass
 class Rollout:
-    """One sampled completion with everything the trainer needs."""
+    """One sampled completion with everything the trainer needs.
+
+    ``reward`` and ``advantage`` are filled by whoever scores the group (:func:`generate_group`
+    at once; in the LLM ring, its Scorer stage), ``ref_logprobs`` by the ring's Reference stage
+    when a KL penalty is used.
+    """
 
     prompt_ids: list[int]
     completion_ids: list[int]
     sampler_logprobs: list[float]
     completion_text: str
     finish_reason: str | None
-    reward: float
+    reward: float = 0.0
     advantage: float = 0.0
     policy_version: int = 0
     group_id: int = 0
     latency_s: float = 0.0
+    ref_logprobs: list[float] | None = None
 
 
 @dataclass
 class Group:
-    """``group_size`` rollouts of one prompt; advantages are relative to this group."""
+    """``group_size`` rollouts of one prompt; advantages are relative to this group.
+
+    This is also the one message of the LLM ring (:mod:`grpo_nb.llm.actors`): generator →
+    scorer → reference → trainer. ``policy_version`` is the weight version the server had when
+    the requests were sent (a lower bound: with pause mode ``keep`` later tokens may come from
+    newer weights); ``source`` names the generator that made it.
+    """
 
     group_id: int
     prompt: str
@@ -89,9 +101,11 @@ class Group:
     prompt_ids: list[int]
     rollouts: list[Rollout]
     policy_version: int
-    t_submit: float  # time.perf_counter() when the first request was sent
+    # Wall clock (time.time()), not perf_counter: the ring compares it across processes.
+    t_submit: float  # when the first request was sent
     t_done: float  # … when the last sample arrived
     extra: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
 
     @property
     def rewards(self) -> list[float]:
@@ -124,7 +138,7 @@ async def generate_group(client: CompletionsClient, row: dict[str, Any], group_s
     """Sample and score one group; raises :class:`CompletionError` if any sample fails."""
     sampling = sampling or SamplingConfig()
     version = _version(policy_version)  # the policy that *starts* serving this group
-    t_submit = time.perf_counter()
+    t_submit = time.time()
 
     async def one(i: int):
         seed = None if sampling.seed is None else sampling.seed + group_id * group_size + i
@@ -150,7 +164,7 @@ async def generate_group(client: CompletionsClient, row: dict[str, Any], group_s
                 for c, r, a in zip(completions, rewards, adv, strict=True)]
     return Group(group_id=group_id, prompt=row["prompt"], answer=row["answer"],
                  prompt_ids=list(prompt_ids), rollouts=rollouts, policy_version=version,
-                 t_submit=t_submit, t_done=time.perf_counter())
+                 t_submit=t_submit, t_done=time.time())
 
 
 async def iter_groups(client: CompletionsClient, rows: Sequence[dict[str, Any]], group_size: int,
@@ -250,9 +264,3 @@ def summarize(groups: Sequence[Group], seconds: float) -> dict[str, Any]:
             "mixed_groups": mixed, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
 
-
-def cli(argv: list[str]) -> int:
-    """``python -m grpo_nb rollouts``: see :mod:`grpo_nb.rollouts_cli`."""
-    from grpo_nb.rollouts_cli import main
-
-    return main(argv)

@@ -1,6 +1,6 @@
 """Workshop handouts: student copies, executed HTML pages with an index, and an optional PDF.
 
-``python -m grpo_nb.handouts [--full] [--pdf] [--solutions] [--only 02,03] [--out build/handouts]``
+``python -m grpo_nb.course.handouts [--full] [--pdf] [--solutions] [--only 02,03] [--out build/handouts]``
 
 Data flow (one notebook at a time, in file-name order)::
 
@@ -22,7 +22,7 @@ Conventions the notebooks follow (the tests check them on every notebook in ``no
   solution code cell comes after the i-th exercise code cell (interleaved or all at the end);
 - the opening markdown cell states the runtime on one line: ``**Time:** smoke ~1 min · full ~5 min``.
 
-Execution and rendering live in :mod:`grpo_nb.handouts_render`.
+Execution and rendering live in :mod:`grpo_nb.course.handouts_render`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import nbformat
 from nbformat import NotebookNode
 
 from grpo_nb.config import repo_root
-from grpo_nb.handouts_render import (
+from grpo_nb.course.handouts_render import (
     execute,
     flatten_widgets,
     local_mathjax_url,
@@ -308,10 +308,10 @@ def _combine(notebooks: list[NotebookNode]) -> NotebookNode:
 
 
 def cli(argv: list[str]) -> int:
-    """``python -m grpo_nb.handouts``: build the handouts; exit 1 if a notebook failed."""
+    """``python -m grpo_nb.course.handouts``: build the handouts; exit 1 if a notebook failed."""
     root = repo_root() or Path.cwd()
     parser = argparse.ArgumentParser(
-        prog="python -m grpo_nb.handouts", description=__doc__.split("\n")[0]
+        prog="python -m grpo_nb.course.handouts", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--notebooks", type=Path, default=root / "notebooks")
     parser.add_argument("--out", type=Path, default=root / "build" / "handouts")

@@ -3,8 +3,8 @@
 The ring's Trainer actor owns one :class:`PolicyTrainer` and calls it from a worker thread
 (so the event loop keeps serving the generators while it computes)::
 
-    ScoredGroup × prompts_per_step ──► make_batch ──► input_ids [B, P+T], mask, old/sampler
-                                                        logprobs, advantages   (pad_sequence)
+    Group × prompts_per_step ──► make_batch ──► input_ids [B, P+T], mask, old/sampler
+                                                  logprobs, advantages   (pad_sequence)
           ──► step(): for each of grad_accum micro-batches:
                   logits ─► grpo.token_logprobs ─► grpo.policy_loss ─► backward (scaled)
               clip_grad_norm_ ─► AdamW.step ─► metrics
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,29 +27,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from grpo_nb import grpo
-from grpo_nb.llm_config import LLMConfig
-
-
-@dataclass
-class ScoredGroup:
-    """One prompt's ``group_size`` completions, as they travel generator → scorer → trainer.
-
-    ``version`` is the weight version the server had when the request was sent (with pause
-    mode ``keep`` later tokens may come from newer weights: the version is a lower bound).
-    """
-
-    prompt_ids: list[int]
-    answer: str
-    completions: list[list[int]]
-    sampler_logprobs: list[list[float]]
-    finish_reasons: list[str | None]
-    texts: list[str]
-    version: int
-    source: str = ""
-    created: float = 0.0
-    rewards: list[float] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)
-    ref_logprobs: list[list[float]] | None = None
+from grpo_nb.llm.config import LLMConfig
+from grpo_nb.serving.rollouts import Group
 
 
 @dataclass
@@ -72,17 +51,16 @@ def _aligned(per_token: list[list[float]], prompt_lens: list[int], width: int) -
     return out
 
 
-def make_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
+def make_batch(groups: list[Group], pad_id: int) -> Batch:
     """Stack groups into one padded batch (sequences are prompt + completion)."""
     seqs, prompt_lens, samp, refs, adv = [], [], [], [], []
-    for g in groups:
-        for j, completion in enumerate(g.completions):
-            seqs.append(torch.tensor(g.prompt_ids + completion))
-            prompt_lens.append(len(g.prompt_ids))
-            samp.append(g.sampler_logprobs[j])
-            if g.ref_logprobs is not None:
-                refs.append(g.ref_logprobs[j])
-            adv.append(g.advantages[j])
+    for r in (r for g in groups for r in g.rollouts):
+        seqs.append(torch.tensor(r.prompt_ids + r.completion_ids))
+        prompt_lens.append(len(r.prompt_ids))
+        samp.append(r.sampler_logprobs)
+        if r.ref_logprobs is not None:
+            refs.append(r.ref_logprobs)
+        adv.append(r.advantage)
     ids = pad_sequence(seqs, batch_first=True, padding_value=pad_id)
     attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
     width = ids.shape[1] - 1
@@ -120,7 +98,7 @@ class PolicyTrainer:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def step(self, groups: list[ScoredGroup]) -> dict[str, Any]:
+    def step(self, groups: list[Group]) -> dict[str, Any]:
         """One optimiser step on ``groups`` (split into ``grad_accum`` micro-batches)."""
         cfg = self.cfg
         per_micro = max(1, len(groups) // cfg.grad_accum)
@@ -142,7 +120,7 @@ class PolicyTrainer:
         self.opt.step()
         self.step_count += 1
         rewards = torch.tensor([r for g in groups for r in g.rewards])
-        lengths = [len(c) for g in groups for c in g.completions]
+        lengths = [len(r.completion_ids) for g in groups for r in g.rollouts]
         return {
             "step": self.step_count, "loss": sums.get("loss", 0.0), "kl": sums.get("kl", 0.0),
             "clip_frac": sums.get("clip_frac_low", 0.0) + sums.get("clip_frac_high", 0.0),

@@ -3,7 +3,7 @@
 Everything that changes what the ring does lives here, so a run is described by one object
 (saved as ``runs/<name>/config.json``)::
 
-    LLMConfig ──► llm.run() ──► tiny model + vLLM server + ring(mode, sizes, objective, sync)
+    LLMConfig ──► llm.run.train() ──► tiny model + vLLM server + ring(mode, sizes, objective, sync)
 
 Bad values are rejected in ``__post_init__`` with a message naming the field, before any
 server is started.

@@ -1,0 +1,116 @@
+"""Run the same module-level actor classes on real torchmonarch processes.
+
+An actor class is written once, at module level, against :mod:`grpo_nb.actors`::
+
+    class Trainer(Actor):
+        @endpoint
+        async def step(self, batch): ...
+
+Spawned on a ``grpo_nb.actors`` proc mesh it runs in this process on asyncio. Spawned on a
+Monarch proc mesh (``procs.spawn("trainer", on_monarch(Trainer))``) it runs as a
+``monarch.actor.Actor`` subclass built here::
+
+    Trainer ──on_monarch──► grpo_nb.actors._monarch.<module>__Trainer  (Trainer + monarch Actor,
+                            every @endpoint re-declared with Monarch's decorator)
+
+Why a module attribute? Monarch pickles the class to start it in another process, and pickle
+finds a class by module and name. This module's ``__getattr__`` rebuilds the same class from
+that name in any process (PEP 562), so the subclass travels by reference like a hand-written
+one. While the actor's code runs, :data:`grpo_nb.actors._core.on_monarch` is set, so
+``Channel.open()``, ``current_rank()`` and ``send()`` called inside it use Monarch's.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import monarch.actor as monarch
+
+from grpo_nb.actors._core import on_monarch
+from grpo_nb.actors._mesh import Actor, _endpoints_of
+
+_SEP = "__"  # module dots become this in the attribute name; no grpo_nb module name has it
+_built: dict[str, type] = {}
+
+
+def _enter() -> contextvars.Token:
+    return on_monarch.set(True)
+
+
+def _leave(token: contextvars.Token) -> None:
+    on_monarch.reset(token)
+
+
+def _in_monarch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with :data:`on_monarch` set while it runs (tasks it starts inherit the flag).
+
+    The wrappers reach the flag through module-level functions only: a class sent by value
+    (cloudpickle) takes its wrappers' globals along, and a ContextVar does not pickle.
+    """
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            token = _enter()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                _leave(token)
+
+        return run_async
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        token = _enter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _leave(token)
+
+    return run
+
+
+def _build(cls: type, module: str, qualname: str) -> type:
+    namespace: dict[str, Any] = {"__module__": module, "__qualname__": qualname,
+                                 "__doc__": cls.__doc__}
+    for attr, ep in _endpoints_of(cls).items():
+        decorator = monarch.concurrent_endpoint if ep.concurrent else monarch.endpoint
+        namespace[attr] = decorator(_in_monarch(ep.fn))
+    namespace["__init__"] = _in_monarch(cls.__init__)
+    cleanup = getattr(cls, "__cleanup__", None)
+    if cleanup is not None:
+        namespace["__cleanup__"] = _in_monarch(cleanup)
+    return type(cls.__name__, (cls, monarch.Actor), namespace)
+
+
+def on_monarch_class(cls: type) -> type:
+    """The Monarch actor class for ``cls``, a ``grpo_nb.actors.Actor`` subclass.
+
+    A class defined at module level travels by reference (its module is imported in the
+    actor's process); one defined in a notebook or a function travels by value (cloudpickle),
+    as Monarch does with any such class.
+    """
+    if cls.__module__ == "__main__" or "." in cls.__qualname__:
+        key = f"{cls.__module__}:{cls.__qualname__}:{id(cls)}"
+        if key not in _built:  # a qualname that cannot be looked up: cloudpickle sends it by value
+            _built[key] = _build(cls, cls.__module__, f"{cls.__qualname__}.<locals>.on_monarch")
+        return _built[key]
+    name = cls.__module__.replace(".", _SEP) + _SEP + cls.__qualname__
+    if name not in _built:
+        _built[name] = _build(cls, __name__, name)
+    return _built[name]
+
+
+def __getattr__(name: str) -> type:
+    module, sep, qualname = name.rpartition(_SEP)
+    if name.startswith("_") or not sep or not module:  # dunders are Python asking, not pickle
+        raise AttributeError(name)
+    cls = getattr(importlib.import_module(module.replace(_SEP, ".")), qualname)
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise AttributeError(name)
+    return on_monarch_class(cls)

@@ -1,0 +1,54 @@
+"""A finished run in one line: :class:`RunResult`, computed from the run's metric rows.
+
+``python -m grpo_nb train`` prints it as JSON (its last line); :func:`grpo_nb.llm.run.train`
+returns it and writes it to ``runs/<name>/result.json``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from grpo_nb.llm.config import LLMConfig
+from grpo_nb.metrics import MetricsRecorder
+
+
+@dataclass
+class RunResult:
+    """What a run achieved: steps, accuracy before/after, speed, staleness, sync health."""
+
+    steps: int
+    accuracy_before: float
+    accuracy_after: float
+    wall_s: float
+    sync_ms_mean: float
+    stale_dropped: int
+    weights_verified: bool  # the last sync proved the server serves the last step's weights
+    mode: str = ""
+    staleness_mean: float = math.nan
+    tokens_per_s: float = math.nan
+    run_dir: str | None = None
+
+
+def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int) -> RunResult:
+    evals = rec.rows("eval")
+    syncs = rec.rows("sync")
+    steps = rec.rows("step")
+    stale = [s for r in steps for s in r.get("staleness", [])]
+    tokens = sum(r.get("tokens", 0) for r in steps)
+    last_sync = syncs[-1] if syncs else {}
+    last_step = steps[-1]["step"] if steps else 0
+    return RunResult(
+        steps=last_step,
+        accuracy_before=evals[0]["accuracy"] if evals else math.nan,
+        accuracy_after=evals[-1]["accuracy"] if evals else math.nan,
+        wall_s=round(wall_s, 2),
+        sync_ms_mean=round(statistics.fmean(r["ms"] for r in syncs), 1) if syncs else math.nan,
+        stale_dropped=dropped,
+        weights_verified=bool(last_sync.get("verified")) and last_sync.get("step") == last_step,
+        mode=cfg.mode,
+        staleness_mean=round(statistics.fmean(stale), 3) if stale else math.nan,
+        tokens_per_s=round(tokens / wall_s, 1) if wall_s > 0 else math.nan,
+        run_dir=str(rec.run_dir) if rec.run_dir else None,
+    )
