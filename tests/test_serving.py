@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
+from grpo_nb.serving import server as serving
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient
 from grpo_nb.serving.server import ServerConfig, ServerStartError, VLLMServer, free_port
 
@@ -23,12 +32,56 @@ def test_bad_server_config_names_the_field(kwargs, field):
         ServerConfig(model="m", **kwargs)
 
 
-def test_non_loopback_host_needs_an_api_key():
+def test_dev_mode_server_is_loopback_only_key_or_not():
+    """Weight routes are not guarded by vLLM's key: a dev-mode server never leaves loopback."""
+    with pytest.raises(ValueError, match="host='0.0.0.0'.*dev_mode.*only /v1"):
+        ServerConfig(model="m", host="0.0.0.0", api_key="secret")
     with pytest.raises(ValueError, match="api_key"):
-        ServerConfig(model="m", host="0.0.0.0")
-    cfg = ServerConfig(model="m", host="0.0.0.0", api_key="secret")
-    assert "--api-key" in cfg.command(8000, gpu=False)
-    assert ServerConfig(model="m", host="::1").host == "::1"
+        ServerConfig(model="m", host="0.0.0.0", dev_mode=False)
+    assert ServerConfig(model="m", host="0.0.0.0", dev_mode=False, api_key="k").host == "0.0.0.0"
+    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        ServerConfig(model="m", host="10.0.0.1", dev_mode=False, api_key="k",
+                     env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
+    with pytest.raises(ValueError, match="extra_args has --host"):
+        ServerConfig(model="m", extra_args=["--host=0.0.0.0"])
+    for host in ("::1", "localhost", "127.0.0.2"):
+        assert ServerConfig(model="m", host=host).dev_mode
+    # Fields set after construction (as WeightSyncConfig.server_settings does) are checked at
+    # start, before anything is spawned.
+    cfg = ServerConfig(model="m", host="127.0.0.1", api_key="k")
+    cfg.host = "192.168.1.5"
+    server = VLLMServer(cfg)
+    with pytest.raises(ValueError, match="dev_mode"):
+        server.start(progress=False)
+    assert server.proc is None and server not in serving._LIVE
+
+
+def test_api_key_travels_by_environment_never_argv(tmp_path, monkeypatch):
+    cfg = ServerConfig(model="m", api_key="s3cret-key")
+    assert not any("s3cret" in a for a in cfg.command(8000, gpu=False))
+    assert cfg.environment("abc", gpu=False)["VLLM_API_KEY"] == "s3cret-key"
+    assert "s3cret" not in repr(cfg) and "s3cret" not in repr(ClientConfig(api_key="s3cret"))
+    with pytest.raises(ValueError, match="extra_args has --api-key"):
+        ServerConfig(model="m", extra_args=["--api-key", "x"])
+    with pytest.raises(ValueError, match="env has VLLM_API_KEY"):
+        ServerConfig(model="m", env={"VLLM_API_KEY": "x"})
+    # An unkeyed config does not silently pass on a key from our environment to the server.
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert ServerConfig(model="m").api_key == "from-env" == ClientConfig().api_key
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert "VLLM_API_KEY" not in ServerConfig(model="m").environment("abc", gpu=False)
+    log = tmp_path / "server.log"
+    log.write_text("starting\nheader Bearer s3cret-key seen\n")
+    assert "s3cret" not in serving.log_tail(log, secret="s3cret-key")
+
+
+def test_free_port_refuses_to_bind_beyond_loopback():
+    from grpo_nb.serving.net import free_port as net_free_port
+
+    assert serving.free_port is net_free_port
+    with pytest.raises(ValueError, match="loopback"):
+        net_free_port("0.0.0.0")
+    assert 0 < net_free_port() < 65536 and net_free_port("::1") > 0
 
 
 def test_command_and_environment_cpu_defaults(tmp_path):
@@ -142,6 +195,79 @@ def test_empty_and_misaligned_completions_are_counted():
     assert (stats.requests, stats.failed, stats.empty, stats.ok) == (3, 3, 2, 0)
 
 
+def test_aborted_choices_are_returned_not_raised():
+    """/pause?mode=abort ends requests with finish_reason="abort", sometimes with no token."""
+    from aiohttp import web
+
+    async def handler(request):
+        return web.json_response({"choices": [
+            {"text": "", "token_ids": [], "logprobs": None, "finish_reason": "abort"},
+            {"text": "1", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -0.7]},
+             "finish_reason": "abort"},
+            {"text": "12", "token_ids": [5, 7], "logprobs": {"token_logprobs": [-0.1, -0.2]},
+             "finish_reason": "stop"}]})
+
+    async def body(client):
+        return await client.complete([1], max_tokens=4, n=3), client.stats
+
+    outs, stats = asyncio.run(_with_stub_server(handler, body))
+    assert [o.finish_reason for o in outs] == ["abort", "abort", "stop"]
+    assert (outs[0].token_ids, outs[0].logprobs) == ([], [])
+    assert (outs[1].token_ids, outs[1].logprobs) == ([5, 6], [-0.5, -0.7])
+    assert (stats.aborted, stats.failed, stats.empty, stats.ok) == (2, 0, 0, 1)
+
+
+def test_a_4xx_fails_only_its_own_request_with_its_status():
+    from aiohttp import web
+
+    async def handler(request):
+        prompt = (await request.json())["prompt"]
+        if prompt == [0]:
+            return web.json_response({"error": "prompt too long"}, status=400)
+        await asyncio.sleep(0.2)  # the others are still in flight when the 400 comes back
+        return web.json_response({"choices": [{"text": "x", "token_ids": prompt,
+                                               "logprobs": {"token_logprobs": [-1.0]},
+                                               "finish_reason": "length"}]})
+
+    async def body(client):
+        results = await asyncio.gather(*[client.complete([i]) for i in range(4)],
+                                       return_exceptions=True)
+        return results, client.stats
+
+    results, stats = asyncio.run(_with_stub_server(handler, body))
+    err = results[0]
+    assert isinstance(err, CompletionError) and (err.kind, err.status) == ("http_4xx", 400)
+    assert [r[0].token_ids for r in results[1:]] == [[1], [2], [3]]
+    assert (stats.requests, stats.ok, stats.failed, stats.http_4xx, stats.retries) == (4, 3, 1, 1, 0)
+
+
+def test_every_request_carries_the_api_key(monkeypatch):
+    from aiohttp import web
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    seen = []
+
+    async def handler(request):
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"choices": [{"text": "x", "token_ids": [1], "finish_reason":
+                                               "stop", "logprobs": {"token_logprobs": [-1.0]}}]})
+
+    async def body(client):
+        await client.complete([1])
+        server = type("S", (), {"base_url": client.base_url, "model_name": "m",
+                                "api_key": "from-server"})()
+        async with CompletionsClient.for_server(server) as keyed:
+            await keyed.complete([1])
+        monkeypatch.setenv("VLLM_API_KEY", "from-env")
+        async with CompletionsClient(client.base_url, "m", ClientConfig(max_in_flight=1)) as c:
+            await c.complete([1])
+        async with CompletionsClient(client.base_url, "m", ClientConfig(api_key="cfg")) as c:
+            await c.complete([1])
+
+    asyncio.run(_with_stub_server(handler, body))
+    assert seen == [None, "Bearer from-server", "Bearer from-env", "Bearer cfg"]
+
+
 def test_slow_server_times_out_and_is_counted():
     from aiohttp import web
 
@@ -169,7 +295,259 @@ def test_bad_client_config_names_the_field():
         ClientConfig(max_in_flight=0)
 
 
+# ---------------------------------------------------------------- process safety (fake vLLM)
+
+# A stand-in for vLLM's process tree: a parent that spawns a child, both sleeping.
+FAKE_TREE = ("import subprocess, sys, time; "
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+             "time.sleep(300)")
+
+
+@pytest.fixture
+def fake_server(monkeypatch, tmp_path):
+    """``make(healthy=..., **cfg)``: a VLLMServer whose command is FAKE_TREE (no vLLM)."""
+    def command(self, port, gpu):
+        return [sys.executable, "-c", self.env.get("FAKE", FAKE_TREE)]
+
+    monkeypatch.setattr(ServerConfig, "command", command)
+
+    def make(healthy: bool = True, **kw):
+        monkeypatch.setattr(VLLMServer, "healthy", lambda self: healthy)
+        return VLLMServer(ServerConfig(model="fake", log_dir=tmp_path, **kw))
+
+    yield make
+    serving.stop_all()
+
+
+def _wait_for(predicate, timeout: float) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, f"not within {timeout} s"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_a_dropped_server_is_still_registered_and_stopped_at_exit(fake_server):
+    server = fake_server().start(progress=False)
+    sid = server.server_id
+    _wait_for(lambda: len(serving.find_server_processes([sid])) == 2, 20)
+    del server  # what re-running `server = VLLMServer(cfg).start()` in a notebook does
+    gc.collect()
+    assert any(s.server_id == sid for s in serving._LIVE)
+    serving.stop_all()  # the atexit hook
+    assert not serving.find_server_processes([sid])
+
+
+def test_same_name_replaces_the_previous_server(fake_server):
+    first = fake_server(name="nb04").start(progress=False)
+    second = fake_server(name="nb04").start(progress=False)
+    assert not first.is_running() and not first.pids() and second.is_running()
+    second.stop()
+    assert not second.pids() and second not in serving._LIVE
+
+
+def test_cancelled_start_async_stops_the_server(fake_server):
+    server = fake_server(healthy=False)
+
+    async def go():
+        task = asyncio.create_task(server.start_async())
+        while not server.pids():
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    assert not server.pids() and not server.is_running() and server not in serving._LIVE
+    assert server.watchdog.poll() is not None
+
+
+def test_stop_ends_a_start_running_in_a_thread(fake_server):
+    """``await asyncio.to_thread(server.start)`` + ``server.stop()`` on interrupt."""
+    import threading
+
+    server, errors = fake_server(healthy=False), []
+    thread = threading.Thread(target=lambda: _record(errors, server.start, progress=False))
+    thread.start()
+    _wait_for(lambda: server.pids(), 20)
+    server.stop()
+    thread.join(timeout=20)
+    assert not thread.is_alive() and not server.pids()
+    assert isinstance(errors[0], ServerStartError) and "stopped while starting" in str(errors[0])
+    never = fake_server()
+    never.stop()  # stopped before its start ran: the start must not spawn anything
+    with pytest.raises(RuntimeError, match="already started or stopped"):
+        never.start(progress=False)
+    assert never.proc is None
+
+
+def _record(errors, fn, **kw):
+    try:
+        fn(**kw)
+    except BaseException as err:  # noqa: BLE001 - the test inspects it
+        errors.append(err)
+
+
+def test_wait_exited_returns_the_exit_code(fake_server):
+    server = fake_server(env={"FAKE": "import time; time.sleep(1.0); raise SystemExit(3)"})
+    server.start(progress=False)
+
+    async def go():
+        t0 = time.monotonic()
+        code = await asyncio.wait_for(server.wait_exited(), 30)
+        return code, time.monotonic() - t0
+
+    code, waited = asyncio.run(go())
+    assert code == 3 and waited < 10
+    assert asyncio.run(server.wait_exited()) == 3  # already exited: immediate
+    server.stop()
+
+
+OWNER_SCRIPT = """
+import json, sys, time
+from grpo_nb.serving import server as s
+s.ServerConfig.command = lambda self, port, gpu: [sys.executable, "-c", sys.argv[2]]
+s.VLLMServer.healthy = lambda self: True
+srv = s.VLLMServer(s.ServerConfig(model="fake", log_dir=sys.argv[1])).start(progress=False)
+while len(srv.pids()) < 2:
+    time.sleep(0.1)
+print(json.dumps({"id": srv.server_id, "pids": srv.pids()}), flush=True)
+time.sleep(600)
+"""
+
+
+def _sigkill_owner_and_time_cleanup(script: str, args: list[str], check=None,
+                                    env: dict[str, str] | None = None, timeout: float = 10.0):
+    """Run ``script`` (it starts a server and prints its id as JSON), run ``check(info)``,
+    SIGKILL the script's process, and return how long the server's processes took to go."""
+    import psutil
+
+    from grpo_nb.serving.processes import marked_processes
+
+    owner = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                             text=True, env=env)
+    info: dict = {}
+    try:
+        info = json.loads(owner.stdout.readline() or "{}")
+        procs = marked_processes([info["id"]])
+        assert len(procs) >= 2, info
+        if check is not None:
+            check(info, procs)
+        owner.kill()
+        owner.wait()
+        seconds = _wait_for(lambda: not any(p.is_running() and p.status() != "zombie"
+                                            for p in procs), timeout)
+        return info, seconds
+    finally:
+        owner.kill()
+        owner.wait()
+        for p in marked_processes([info["id"]]) if info else []:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+def test_a_sigkilled_owner_takes_its_server_tree_down(tmp_path):
+    info, seconds = _sigkill_owner_and_time_cleanup(OWNER_SCRIPT, [str(tmp_path), FAKE_TREE])
+    print(f"fake server tree gone {seconds:.1f} s after its owner was SIGKILLed")
+
+
+def test_doctor_lists_and_reaps_servers_whose_owner_is_gone():
+    import psutil
+
+    from grpo_nb.course.doctor import orphan_section
+    from grpo_nb.serving.processes import MARKER_ENV, OWNER_ENV, find_orphans, reap
+
+    # The owner died but was not reaped yet (a zombie): like a SIGKILLed kernel whose parent
+    # has not called wait(). Its pid still exists; it must count as gone.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    _wait_for(lambda: psutil.Process(dead.pid).status() == psutil.STATUS_ZOMBIE, 20)
+    procs = {}
+    for tag, owner in (("orphan", dead.pid), ("owned", os.getpid())):
+        env = {**os.environ, MARKER_ENV: f"test-{tag}-{os.getpid()}", OWNER_ENV: str(owner)}
+        procs[tag] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                                       "--port", "1234"], env=env)
+    try:
+        _wait_for(lambda: any(o.server_id.startswith("test-orphan") for o in find_orphans()), 10)
+        found = [o for o in find_orphans() if o.server_id.startswith("test-")]
+        assert [(o.owner_pid, o.pids, o.port) for o in found] == [
+            (dead.pid, [procs["orphan"].pid], "1234")]
+        assert f"server {found[0].server_id} port 1234" in orphan_section(reap=False)
+        # `doctor --reap` ends every orphan of this user; the test reaps only its own.
+        assert reap(found) == [procs["orphan"].pid]
+        assert procs["orphan"].wait(timeout=15) is not None
+        assert procs["owned"].poll() is None  # its owner (this test) is alive: left alone
+    finally:
+        for p in [*procs.values(), dead]:
+            p.kill()
+            p.wait()
+
+
 # ---------------------------------------------------------------- a real server
+
+KEYED_OWNER = """
+import json, sys, time
+from grpo_nb.serving.server import ServerConfig, VLLMServer
+srv = VLLMServer(ServerConfig.smoke(sys.argv[1])).start(progress=False)  # key: $VLLM_API_KEY
+print(json.dumps({"id": srv.server_id, "url": srv.url, "model": srv.model_name,
+                  "log": str(srv.log_path), "keyed": srv.api_key is not None}), flush=True)
+time.sleep(900)
+"""
+
+
+def _status(url: str, data: dict | None = None, key: str | None = None) -> int:
+    req = urllib.request.Request(url, data=None if data is None else json.dumps(data).encode(),
+                                 headers={"Content-Type": "application/json"})
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def _check_keyed_server(key: str, info: dict, procs: list) -> None:
+    assert info["keyed"]
+    assert not any(key in " ".join(p.cmdline()) for p in procs), "the key is in argv"
+    assert key not in Path(info["log"]).read_text()
+    url, body = info["url"], {"model": info["model"], "prompt": [3, 4], "max_tokens": 2}
+    assert _status(f"{url}/v1/completions", body) == 401
+    assert _status(f"{url}/v1/models") == 401
+    assert _status(f"{url}/v1/completions", body, key) == 200
+    # Why a dev-mode server is loopback-only: its weight routes ignore the key.
+    assert _status(f"{url}/is_paused") == 200
+
+    async def clients():
+        cfg = ClientConfig(api_key=key)
+        async with CompletionsClient(f"{url}/v1", info["model"], cfg) as keyed:
+            out = (await keyed.complete([3, 4], max_tokens=3))[0]
+        async with CompletionsClient(f"{url}/v1", info["model"], ClientConfig()) as unkeyed:
+            with pytest.raises(CompletionError) as err:
+                await unkeyed.complete([3, 4], max_tokens=3)
+        return out, err.value
+
+    out, err = asyncio.run(clients())
+    assert len(out.token_ids) >= 1 and (err.kind, err.status) == ("http_4xx", 401)
+    attached = VLLMServer.attach(url, api_key=key)
+    assert attached.model_name == info["model"] and attached.api_key == key
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_keyed_server_needs_the_key_and_dies_with_its_owner(tiny_model_dir, monkeypatch):
+    """One real server, started by a child Python with ``VLLM_API_KEY`` set: unkeyed /v1
+    requests get 401 while keyed clients complete; then the child is SIGKILLed and the whole
+    vLLM tree (API server, EngineCore …) must be gone within 10 s (the watchdog)."""
+    import secrets
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    key = secrets.token_hex(16)
+    info, seconds = _sigkill_owner_and_time_cleanup(
+        KEYED_OWNER, [str(tiny_model_dir)], lambda i, p: _check_keyed_server(key, i, p),
+        env={**os.environ, "VLLM_API_KEY": key})
+    print(f"vLLM tree gone {seconds:.1f} s after its owner was SIGKILLed")
+
+
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
@@ -236,3 +614,41 @@ def test_bad_requests_are_counted_failures(vllm_server):
     assert eos_first[0].text == "" and eos_first[0].token_ids == [1]
     assert (stats.http_4xx, stats.failed, stats.empty_text, stats.ok) == (2, 2, 1, 1)
     assert len(stats.errors) == 2
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_pause_abort_returns_aborted_choices(vllm_server):
+    """Requests in flight at ``/pause?mode=abort`` come back as finish_reason="abort"
+    Completions (never raised); after ``/resume`` the server generates again."""
+    url = vllm_server.url
+
+    async def go():
+        async with CompletionsClient.for_server(vllm_server) as c:
+            before = vllm_server_tokens(url)
+            tasks = [asyncio.create_task(c.complete([3, 4 + i], max_tokens=200, n=2,
+                                                    ignore_eos=True)) for i in range(3)]
+            while vllm_server_tokens(url) == before:  # pause once tokens are flowing
+                await asyncio.sleep(0.05)
+            try:
+                assert await asyncio.to_thread(_status, f"{url}/pause?mode=abort", {}) == 200
+                outs = await asyncio.gather(*tasks)
+            finally:
+                assert await asyncio.to_thread(_status, f"{url}/resume", {}) == 200
+            after = await c.complete([3, 4], max_tokens=2)
+            return [o for out in outs for o in out], after, c.stats
+
+    outs, after, stats = asyncio.run(go())
+    assert {o.finish_reason for o in outs} == {"abort"} and len(outs) == 6
+    assert all(len(o.token_ids) < 200 and len(o.logprobs) == len(o.token_ids) for o in outs)
+    assert (stats.aborted, stats.failed) == (6, 0) and after[0].finish_reason == "length"
+    with urllib.request.urlopen(f"{url}/is_paused", timeout=10) as resp:
+        assert json.load(resp)["is_paused"] is False
+
+
+def vllm_server_tokens(url: str) -> float:
+    """Generation tokens the server has produced so far (Prometheus ``/metrics``)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))

@@ -7,8 +7,9 @@ torch, to ask about a GPU), then checks each notebook's requirements::
                                    │
                  NOTEBOOK_NEEDS ───┴──► per-notebook verdict ──► one-line fix, exit code
 
-Every notebook's first code cell runs :func:`check`, a compact form that raises with the fix
-when the notebook cannot run, so a learner sees the problem in cell 1, not in cell 20.
+Every notebook's first code cell runs :func:`check`, a compact form that prints one status line
+(and returns nothing, so the cell shows no object repr) or raises with the fix when the notebook
+cannot run, so a learner sees the problem in cell 1, not in cell 20.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _cuda_torchvision_beside_cpu_torch(versions: dict[str, str | None]) -> bool:
     return "+cpu" in torch_v and tv is not None and "+cpu" not in tv
 
 
-@dataclass
+@dataclass(repr=False)
 class Report:
     versions: dict[str, str | None]
     device: str
@@ -83,6 +84,14 @@ class Report:
     folders: dict[str, str]
     verdicts: dict[str, list[str]] = field(default_factory=dict)  # notebook -> problems
     warnings: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        # One line, for a notebook cell that ends with a Report: never the raw field dump.
+        ready = [k for k, v in self.verdicts.items() if not v]
+        blocked = [k for k, v in self.verdicts.items() if v]
+        tail = f", not ready: {' '.join(blocked)}" if blocked else ""
+        return (f"<doctor report: {self.device} · {self.free_gib:.1f} GiB free · "
+                f"ready: {' '.join(ready) or 'none'}{tail}>")
 
     def problems(self, notebook: str | None = None, *, include_optional: bool = False) -> list[str]:
         keys = [notebook] if notebook else list(NOTEBOOK_NEEDS)
@@ -147,22 +156,29 @@ def diagnose() -> Report:
     return report
 
 
-def check(notebook: str) -> Report:
-    """Compact doctor for a notebook's first cell: one status line, or a RuntimeError with the fix."""
+def status_line(report: Report, notebook: str) -> str:
+    """``[doctor NN] python 3.11.2 · torch 2.6 · … · CPU: 2 cores … · 3.1 GiB free · smoke mode``."""
+    shown = ["python", *NOTEBOOK_NEEDS[notebook].packages]
+    line = " · ".join(f"{p} {report.versions[p] or 'MISSING'}" for p in shown)
+    mode = "smoke" if smoke_mode() else "full"
+    return f"[doctor {notebook}] {line} · {report.device} · {report.free_gib:.1f} GiB free · {mode} mode"
+
+
+def check(notebook: str) -> None:
+    """Compact doctor for a notebook's first cell: one status line, or a RuntimeError with the fix.
+
+    Returns None on purpose: a cell ending in ``check("NN")`` then displays only the line.
+    """
     if notebook not in NOTEBOOK_NEEDS:
         raise ValueError(f"unknown notebook {notebook!r}; known: {', '.join(NOTEBOOK_NEEDS)}")
     report = diagnose()
     needs = NOTEBOOK_NEEDS[notebook]
-    shown = ["python", *needs.packages]
-    line = " · ".join(f"{p} {report.versions[p] or 'MISSING'}" for p in shown)
-    mode = "smoke" if smoke_mode() else "full"
-    print(f"[doctor {notebook}] {line} · {report.device} · {report.free_gib:.1f} GiB free · {mode} mode")
+    print(status_line(report, notebook))
     for warning in report.warnings:
         print(f"[doctor {notebook}] warning: {warning}")
     problems = report.verdicts[notebook]
     if problems:
         raise RuntimeError(f"notebook {notebook} ({needs.title}) cannot run: {problems[0]}")
-    return report
 
 
 def format_report(report: Report) -> str:
@@ -181,12 +197,40 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
+def orphan_section(reap: bool) -> str:
+    """vLLM servers started by grpo_nb whose owner (kernel, CLI, test) is gone; ``reap`` ends them.
+
+    Each holds ~2.2 GiB (tiny model, CPU) until stopped; the watchdog normally ends them within
+    seconds of their owner's death, so an entry here means that safety net failed too.
+    """
+    from grpo_nb.serving import processes
+
+    try:
+        orphans = processes.find_orphans()
+    except ImportError as err:  # psutil missing: say so rather than crash the doctor
+        return f"  orphaned vLLM servers: cannot check ({err})"
+    if not orphans:
+        return "  orphaned vLLM servers: none"
+    lines = [f"  orphaned vLLM servers: {len(orphans)}"]
+    lines += [f"      - server {o.server_id} port {o.port} model {o.model} · owner pid "
+              f"{o.owner_pid} gone · pids {' '.join(map(str, o.pids))} · {o.rss_gib} GiB"
+              for o in orphans]
+    if reap:
+        lines.append(f"    reaped: stopped pids {' '.join(map(str, processes.reap(orphans)))}")
+    else:
+        lines.append("    stop them: python -m grpo_nb doctor --reap")
+    return "\n".join(lines)
+
+
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m grpo_nb doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--notebook", choices=sorted(NOTEBOOK_NEEDS), help="check one notebook only")
+    parser.add_argument("--reap", action="store_true",
+                        help="stop vLLM servers started by grpo_nb whose owner process is gone")
     args = parser.parse_args(argv)
     report = diagnose()
     print(format_report(report))
+    print(orphan_section(args.reap))
     problems = report.problems(args.notebook)
     if problems:
         print(f"\nnot ready: {problems[0]}", file=sys.stderr)

@@ -8,7 +8,14 @@ importance ratio divides by them), so the client sends token-id prompts and asks
                                                                │
          connection error ──► retry with backoff (≤ retries) ─┤
          timeout / 4xx / 5xx / empty ──► counted in ClientStats, raised as CompletionError
+                                         (.status: this request's HTTP status, if any)
+         aborted (/pause mode=abort) ──► Completion(finish_reason="abort"), maybe no tokens:
+                                         returned and counted, never raised — the caller
+                                         must not score it as a finished sample
          ok ──► Completion(token_ids, logprobs, text, finish_reason)  (counted too)
+
+Every request carries ``Authorization: Bearer <key>`` when a key is known (``api_key=``,
+``ClientConfig.api_key``, or ``$VLLM_API_KEY``): a keyed server answers 401 without it.
 
 Every outcome lands in :class:`ClientStats` (and, when a recorder is given, as a
 ``kind="request"`` or ``kind="client_error"`` metrics row).
@@ -17,6 +24,7 @@ Every outcome lands in :class:`ClientStats` (and, when a recorder is given, as a
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,12 +55,12 @@ class ClientStats:
     http_4xx: int = 0
     http_5xx: int = 0
     empty: int = 0  # finished with no token at all: raised
+    aborted: int = 0  # choices ended by the server (finish_reason="abort"): returned
     empty_text: int = 0  # only special tokens (e.g. <eos> first): kept, counted
     groups_dropped: int = 0  # groups given up because a sample failed (rollouts.iter_groups)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     errors: list[str] = field(default_factory=list)  # last few messages, newest last
-
 
 
 @dataclass
@@ -69,12 +77,17 @@ class Completion:
 
 @dataclass
 class ClientConfig:
-    """Client limits. ``retries`` applies to connection errors only (not to HTTP errors)."""
+    """Client limits. ``retries`` applies to connection errors only (not to HTTP errors).
+
+    ``api_key`` (default ``$VLLM_API_KEY``; hidden from ``repr``) is sent on every request.
+    """
 
     max_in_flight: int = 32
     timeout_s: float = 120.0
     retries: int = 3
     backoff_s: float = 0.25
+    api_key: str | None = field(default_factory=lambda: os.environ.get("VLLM_API_KEY") or None,
+                                repr=False)
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -95,7 +108,7 @@ class CompletionsClient:
     Args:
         base_url: ``http://host:port/v1`` (``VLLMServer.base_url``).
         model: the served model name (``VLLMServer.model_name``).
-        cfg: limits; ``recorder``: optional metrics sink.
+        cfg: limits; ``api_key`` overrides ``cfg.api_key``; ``recorder``: optional metrics sink.
     """
 
     def __init__(self, base_url: str, model: str, cfg: ClientConfig | None = None, *,
@@ -103,7 +116,7 @@ class CompletionsClient:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.cfg = cfg or ClientConfig()
-        self.api_key = api_key
+        self.api_key = api_key or self.cfg.api_key
         self.recorder = recorder
         self.stats = ClientStats()
         self._sem = asyncio.Semaphore(self.cfg.max_in_flight)
@@ -196,6 +209,14 @@ class CompletionsClient:
         for choice in payload.get("choices", []):
             ids = list(choice.get("token_ids") or [])
             lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if choice.get("finish_reason") == "abort":
+                # Cut short by the server (e.g. /pause?mode=abort): the caller decides.
+                self.stats.aborted += 1
+                k = min(len(ids), len(lps))
+                out.append(Completion(ids[:k], [float(x) for x in lps[:k]],
+                                      choice.get("text") or "", "abort", latency,
+                                      choice.get("prompt_token_ids")))
+                continue
             if not ids:
                 raise self._fail("empty", f"completion with no tokens "
                                  f"(finish_reason={choice.get('finish_reason')!r})")

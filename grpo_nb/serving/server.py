@@ -4,18 +4,27 @@ vLLM's server is a tree of processes (API server → EngineCore → worker). It 
 fresh process group, so that :meth:`VLLMServer.stop` ends the whole tree at once, whether the
 notebook cell finished, raised, or was interrupted::
 
-    ServerConfig ──► VLLMServer.start() ──spawn──► python -m vllm.entrypoints.openai.api_server
-                          │    (own process group, log → runs/vllm/<name>.log)
-                          ├── polls GET /health, shows elapsed time + the log's latest line
-                          │       process died / timed out → ServerStartError(log tail)
+    ServerConfig ──► VLLMServer(cfg)  (registered before anything is spawned)
+                          │ .start() / await .start_async() / with / async with
+                          ├─spawn─► python -m vllm.entrypoints.openai.api_server
+                          │           (own process group, marked, log → runs/vllm/*.log)
+                          ├─spawn─► watchdog: owner died (even SIGKILL) → ends the tree
+                          ├── polls GET /health; died / timed out → ServerStartError(log tail)
                           ▼
-                     .url / .base_url ──► client.CompletionsClient ──► /v1/completions
+                     .url / .base_url / .api_key ──► client.CompletionsClient
                           │
                      .stop() / with-block / atexit ──► SIGTERM group → wait → SIGKILL group
 
-Safety: ``dev_mode`` turns on vLLM's ``/pause``, ``/update_weights``, ``/collective_rpc`` …
-routes, which let anyone who reaches the port replace the weights. The server therefore binds
-to loopback; any other host is refused unless ``api_key`` is set.
+Servers are kept in a module-level registry (strong references): re-running a notebook cell
+that starts a server does not orphan the previous one; it keeps running until ``stop()``,
+:func:`stop_all` or interpreter exit, or until a server with the same ``ServerConfig.name``
+starts. In ``asyncio`` code use ``await server.start_async()`` (a cancelled start stops the
+server); ``await asyncio.to_thread(server.start)`` cannot be interrupted — if you must, create
+the server first and call ``server.stop()`` in an ``except BaseException`` around it.
+
+Safety (see :mod:`grpo_nb.serving.server_config`): a dev-mode server (weight routes on) is
+loopback-only, key or not; the API key travels by environment and is redacted from the log
+tails we print.
 
 CPU and GPU run the same code: only the defaults differ (``VLLM_TARGET_DEVICE=cpu``, float32 and
 a small KV cache on CPU; the checkpoint's dtype and a memory fraction on GPU).
@@ -23,29 +32,31 @@ a small KV cache on CPU; the checkpoint's dtype and a memory fraction on GPU).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
-import ipaddress
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
-import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_nb.config import cache_dir, runs_dir
+from grpo_nb.config import runs_dir
+from grpo_nb.serving.net import free_port, is_loopback
+from grpo_nb.serving.processes import MARKER_ENV, end_processes, marked_processes, start_watchdog
+from grpo_nb.serving.server_config import ServerConfig, env_api_key
 
-MARKER_ENV = "GRPO_NB_SERVER_ID"  # every process of a server we start inherits this variable
+__all__ = ["ServerConfig", "ServerStartError", "VLLMServer", "find_server_processes",
+           "free_port", "is_loopback", "stop_all", "MARKER_ENV"]
+
 STARTED_IDS: list[str] = []  # ids of every server this Python process started
-_LIVE: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
+_LIVE: set[VLLMServer] = set()  # strong: a dropped variable must not orphan a running server
+_BY_NAME: dict[str, VLLMServer] = {}
 
 
 def _gpu_available() -> bool:
@@ -56,132 +67,16 @@ def _gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free right now (another process could still take it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ServerConfig:
-    """How to run ``vllm serve``. ``None`` fields take CPU or GPU defaults at start time.
-
-    Args:
-        model: a model folder (e.g. :func:`grpo_nb.tiny_model.build_or_load`) or a hub name.
-        port: ``0`` picks a free port.
-        dtype: ``"float32"`` on CPU (exact log-prob agreement with the trainer), ``"auto"`` on GPU.
-        kv_cache_bytes: KV cache size; CPU default 64 MiB (plenty for the tiny model).
-        gpu_memory_utilization: GPU only; leave room for the trainer on the same GPU.
-        api_key: required for a non-loopback ``host``.
-        log_dir: where ``<name>.log`` goes; default ``runs/vllm``.
-        startup_timeout: seconds to wait for ``/health`` (first CPU start compiles for ~2 min).
-        extra_args / env: appended to the command line / the server's environment.
-        dev_mode: ``VLLM_SERVER_DEV_MODE=1`` (pause / weight-update routes; loopback only).
-        worker_extension_cls / weight_transfer_config: for weight sync (notebook 05).
-    """
-
-    model: str = ""
-    host: str = "127.0.0.1"
-    port: int = 0
-    dtype: str | None = None
-    max_model_len: int = 512
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.5
-    api_key: str | None = None
-    served_model_name: str | None = None
-    log_dir: Path | str | None = None
-    startup_timeout: float = 600.0
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    dev_mode: bool = True
-    worker_extension_cls: str | None = None
-    weight_transfer_config: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        self.model = str(self.model)
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"ServerConfig.port={self.port}: use 0 (pick a free port) .. 65535")
-        if self.max_model_len < 8:
-            raise ValueError(f"ServerConfig.max_model_len={self.max_model_len}: must be ≥ 8")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1 << 20:
-            raise ValueError(f"ServerConfig.kv_cache_bytes={self.kv_cache_bytes}: need ≥ 1 MiB")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"ServerConfig.gpu_memory_utilization={self.gpu_memory_utilization}: use (0, 1]"
-            )
-        if self.startup_timeout <= 0:
-            raise ValueError(f"ServerConfig.startup_timeout={self.startup_timeout}: must be > 0")
-        if not is_loopback(self.host) and not self.api_key:
-            raise ValueError(
-                f"ServerConfig.host={self.host!r} is not loopback: set api_key, because the "
-                "server's weight-update routes would be open to the network"
-            )
-        if not all(isinstance(a, str) for a in self.extra_args):
-            raise ValueError(f"ServerConfig.extra_args={self.extra_args!r}: strings only")
-
-    @classmethod
-    def smoke(cls, model: str | Path = "") -> ServerConfig:
-        """Small KV cache, short context: the tiny model on a 2-core CPU."""
-        return cls(model=str(model), max_model_len=256, kv_cache_bytes=64 << 20)
-
-    def command(self, port: int, gpu: bool) -> list[str]:
-        """The server's command line (``port`` already resolved)."""
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", self.model, "--host", self.host, "--port", str(port),
-               "--dtype", self.dtype or ("auto" if gpu else "float32"),
-               "--max-model-len", str(self.max_model_len),
-               "--served-model-name", self.served_model_name or self.model,
-               "--disable-uvicorn-access-log"]
-        if gpu:
-            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        kv = self.kv_cache_bytes if self.kv_cache_bytes is not None else (None if gpu else 64 << 20)
-        if kv is not None:
-            cmd += ["--kv-cache-memory-bytes", str(kv)]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        if self.worker_extension_cls:
-            cmd += ["--worker-extension-cls", self.worker_extension_cls]
-        if self.weight_transfer_config is not None:
-            cmd += ["--weight-transfer-config", json.dumps(self.weight_transfer_config)]
-        return cmd + list(self.extra_args)
-
-    def environment(self, server_id: str, gpu: bool) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would silently override kv_cache_bytes
-        env.update({MARKER_ENV: server_id, "VLLM_CACHE_ROOT": str(cache_dir() / "vllm"),
-                    "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"})
-        if not gpu:
-            env["VLLM_TARGET_DEVICE"] = "cpu"
-        if self.dev_mode:
-            env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.update(self.env)
-        return env
-
-
 class ServerStartError(RuntimeError):
     """The server exited or never became healthy; the message ends with its log's tail."""
 
 
-def log_tail(path: Path | None, lines: int = 30) -> str:
+def log_tail(path: Path | None, lines: int = 30, secret: str | None = None) -> str:
+    """The log's last ``lines``, with ``secret`` (the API key) replaced by ``***``."""
     if path is None or not path.is_file():
         return "(no log)"
-    text = path.read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
-
-
-def _last_line(path: Path | None) -> str:
-    tail = log_tail(path, 5).strip().splitlines()
-    return tail[-1][-120:] if tail else ""
+    text = "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return text.replace(secret, "***") if secret else text
 
 
 def _get(url: str, api_key: str | None, timeout: float = 2.0) -> tuple[int, str]:
@@ -198,23 +93,27 @@ def _get(url: str, api_key: str | None, timeout: float = 2.0) -> tuple[int, str]
 class VLLMServer:
     """A vLLM server this process owns (``start``/``stop``), or one it attached to (``attach``).
 
-    Use as a context manager (``with VLLMServer(cfg) as server:``) or call ``start()`` and
-    ``stop()``; servers still running when Python exits are stopped by an ``atexit`` hook.
+    Use as a context manager (``with`` / ``async with``) or call ``start()`` (or
+    ``await start_async()``) and ``stop()``; servers still running when Python exits are
+    stopped by an ``atexit`` hook, and a watchdog stops them if this process is killed.
     """
 
-    def __init__(self, cfg: ServerConfig) -> None:
-        if not cfg.model:
+    def __init__(self, cfg: ServerConfig | None, *, _owned: bool = True) -> None:
+        if cfg is not None and not cfg.model:
             raise ValueError("ServerConfig.model is empty: pass a model folder or hub name")
         self.cfg = cfg
         self.proc: subprocess.Popen[bytes] | None = None
-        self.port: int = cfg.port
-        self.host: str = cfg.host
-        self.api_key = cfg.api_key
-        self.model_name = cfg.served_model_name or cfg.model
-        self.server_id = uuid.uuid4().hex[:12]
+        self.watchdog: subprocess.Popen[bytes] | None = None
+        self.port: int = cfg.port if cfg else 0
+        self.host: str = cfg.host if cfg else ""
+        self.api_key = cfg.api_key if cfg else None
+        self.model_name = (cfg.served_model_name or cfg.model) if cfg else ""
+        self.server_id = uuid.uuid4().hex[:12] if _owned else ""
         self.log_path: Path | None = None
         self.startup_seconds: float | None = None
-        self._owned = True
+        self._owned = _owned
+        self._stopped = False
+        self._lock = threading.RLock()  # spawn and stop never interleave (start thread vs stop)
 
     # ------------------------------------------------------------------ addresses
     @property
@@ -231,20 +130,18 @@ class VLLMServer:
     def attach(cls, url: str, *, api_key: str | None = None, timeout: float = 10.0) -> VLLMServer:
         """Use a server someone else runs: checks ``/health`` and reads the served model name.
 
-        ``stop()`` on an attached server does nothing: it is not ours to end.
+        ``api_key`` defaults to ``$VLLM_API_KEY``. ``stop()`` on an attached server does
+        nothing: it is not ours to end.
         """
         url = url.rstrip("/").removesuffix("/v1")
-        host_port = url.split("://", 1)[-1]
-        host, _, port = host_port.rpartition(":")
-        server = cls.__new__(cls)
-        server.cfg, server.proc, server.api_key, server._owned = None, None, api_key, False
-        server.host, server.port = host, int(port)
-        server.server_id, server.log_path, server.startup_seconds = "", None, None
+        host, _, port = url.split("://", 1)[-1].rpartition(":")
+        server = cls(None, _owned=False)
+        server.host, server.port, server.api_key = host, int(port), api_key or env_api_key()
         try:
-            status, _ = _get(f"{url}/health", api_key, timeout)
+            status, _ = _get(f"{url}/health", server.api_key, timeout)
             if status != 200:
                 raise ConnectionError(f"{url}/health answered {status}")
-            status, body = _get(f"{url}/v1/models", api_key, timeout)
+            status, body = _get(f"{url}/v1/models", server.api_key, timeout)
             if status != 200:
                 raise ConnectionError(f"{url}/v1/models answered {status}: {body[:200]}")
         except (OSError, urllib.error.URLError) as err:
@@ -264,88 +161,134 @@ class VLLMServer:
         except (OSError, urllib.error.URLError):
             return False
 
+    def log_tail(self, lines: int = 30) -> str:
+        return log_tail(self.log_path, lines, self.api_key)
+
+    def _spawn(self) -> None:
+        """Validate, register, spawn the server and its watchdog (fast; no waiting)."""
+        with self._lock:
+            if not self._owned:
+                raise RuntimeError("an attached server cannot be started")
+            if self._stopped or self.proc is not None:
+                raise RuntimeError("server already started or stopped: create a new VLLMServer")
+            self.cfg.validate()  # fields may have been set after construction
+            self.api_key = self.cfg.api_key
+            if self.cfg.name and (old := _BY_NAME.get(self.cfg.name)) is not None:
+                print(f"stopping the previous server named {self.cfg.name!r} ({old.url})")
+                old.stop()
+            gpu = _gpu_available()
+            self.port = self.cfg.port or free_port(self.cfg.host)
+            log_dir = Path(self.cfg.log_dir) if self.cfg.log_dir else runs_dir() / "vllm"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.log_path = log_dir / f"server-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
+            cmd = self.cfg.command(self.port, gpu)
+            _LIVE.add(self)
+            if self.cfg.name:
+                _BY_NAME[self.cfg.name] = self
+            with self.log_path.open("wb") as log:
+                log.write(("$ " + " ".join(cmd) + "\n").encode())
+                log.flush()
+                self.proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=self.cfg.environment(self.server_id, gpu), start_new_session=True)
+            STARTED_IDS.append(self.server_id)
+            self.watchdog = start_watchdog(self.proc.pid, self.server_id)
+
+    def _started(self, t0: float) -> bool:
+        """One health check: ``True`` when healthy; raises when it cannot become healthy."""
+        elapsed = time.perf_counter() - t0
+        if self._stopped:
+            raise ServerStartError(f"server stopped while starting (after {elapsed:.0f} s)")
+        if self.proc.poll() is not None:
+            raise ServerStartError(
+                f"vLLM exited with code {self.proc.returncode} after {elapsed:.0f} s; "
+                f"log {self.log_path}:\n{self.log_tail()}")
+        if elapsed > self.cfg.startup_timeout:
+            raise ServerStartError(
+                f"vLLM not healthy after {self.cfg.startup_timeout:.0f} s "
+                f"(ServerConfig.startup_timeout); log {self.log_path}:\n{self.log_tail()}")
+        if self.healthy():
+            self.startup_seconds = round(elapsed, 1)
+            return True
+        return False
+
+    def _bar(self, progress: bool) -> Any:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=None, desc=f"vLLM :{self.port}", disable=not progress,
+                    bar_format="{desc} {elapsed} {postfix}", leave=False)
+
+    def _show(self, bar: Any) -> None:
+        last = self.log_tail(5).strip().splitlines()
+        bar.set_postfix_str(last[-1][-120:] if last else "", refresh=False)
+        bar.update(0)
+
     def start(self, *, progress: bool = True) -> VLLMServer:
         """Spawn the server and wait for ``/health``; raises :class:`ServerStartError`."""
-        if not self._owned:
-            raise RuntimeError("an attached server cannot be started")
-        if self.proc is not None:
-            raise RuntimeError("server already started")
-        gpu = _gpu_available()
-        self.port = self.cfg.port or free_port(self.cfg.host)
-        log_dir = Path(self.cfg.log_dir) if self.cfg.log_dir else runs_dir() / "vllm"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"server-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
-        cmd = self.cfg.command(self.port, gpu)
-        with self.log_path.open("wb") as log:
-            log.write(("$ " + " ".join(cmd) + "\n").encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.cfg.environment(self.server_id, gpu), start_new_session=True,
-            )
-        STARTED_IDS.append(self.server_id)
-        _LIVE.add(self)
         try:
-            self._wait_healthy(progress)
+            self._spawn()
+            t0 = time.perf_counter()
+            with contextlib.closing(self._bar(progress)) as bar:
+                while not self._started(t0):
+                    self._show(bar)
+                    time.sleep(0.5)
         except BaseException:  # includes KeyboardInterrupt: never leave a half-started server
             self.stop()
             raise
         return self
 
-    def _wait_healthy(self, progress: bool) -> None:
-        from tqdm.auto import tqdm
-
-        t0 = time.perf_counter()
-        bar = tqdm(total=None, desc=f"vLLM :{self.port}", disable=not progress,
-                   bar_format="{desc} {elapsed} {postfix}", leave=False)
+    async def start_async(self, *, progress: bool = False) -> VLLMServer:
+        """:meth:`start` for ``asyncio`` code: cancelling the awaiting task stops the server."""
         try:
-            while True:
-                elapsed = time.perf_counter() - t0
-                if self.proc.poll() is not None:
-                    raise ServerStartError(
-                        f"vLLM exited with code {self.proc.returncode} after {elapsed:.0f} s; "
-                        f"log {self.log_path}:\n{log_tail(self.log_path)}")
-                if elapsed > self.cfg.startup_timeout:
-                    raise ServerStartError(
-                        f"vLLM not healthy after {self.cfg.startup_timeout:.0f} s "
-                        f"(ServerConfig.startup_timeout); log {self.log_path}:\n"
-                        f"{log_tail(self.log_path)}")
-                if self.healthy():
-                    self.startup_seconds = round(elapsed, 1)
-                    return
-                bar.set_postfix_str(_last_line(self.log_path), refresh=False)
-                bar.update(0)
-                time.sleep(0.5)
+            await asyncio.to_thread(self._spawn)
+            t0 = time.perf_counter()
+            with contextlib.closing(self._bar(progress)) as bar:
+                while not await asyncio.to_thread(self._started, t0):
+                    self._show(bar)
+                    await asyncio.sleep(0.5)
+        except BaseException:  # CancelledError too; stop() waits for a spawn in flight
+            self.stop()
+            raise
+        return self
+
+    async def wait_exited(self) -> int:
+        """Wait (without polling: a pidfd in the event loop) until the server exits; its code."""
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError("wait_exited(): this server was not started by this process")
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:  # already reaped
+            return proc.wait()
+        except (AttributeError, OSError):  # no pidfd (not Linux): a thread waits instead
+            return await asyncio.to_thread(proc.wait)
+        loop, done = asyncio.get_running_loop(), asyncio.Event()
+        loop.add_reader(fd, done.set)
+        try:
+            await done.wait()
         finally:
-            bar.close()
+            loop.remove_reader(fd)
+            os.close(fd)
+        return proc.wait()
 
     def pids(self) -> list[int]:
         """Every process of this server (found by the marker in their environment)."""
-        return [p.pid for p in find_server_processes([self.server_id])]
+        return [p.pid for p in find_server_processes([self.server_id])] if self._owned else []
 
     def stop(self, timeout: float = 20.0) -> None:
         """End the whole process tree: SIGTERM the group, wait, then SIGKILL what is left."""
-        if not self._owned or self.proc is None:
-            return
-        import psutil
-
-        stragglers = find_server_processes([self.server_id])
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        for p in stragglers:  # children that left the group (none expected) get it too
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=timeout)
-        _, alive = psutil.wait_procs(stragglers, timeout=max(1.0, timeout / 4))
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        for p in alive + find_server_processes([self.server_id]):
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
-        _LIVE.discard(self)
+        with self._lock:
+            self._stopped = True
+            if self._owned and self.proc is not None:
+                end_processes(find_server_processes([self.server_id]), self.proc.pid, timeout)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=5)
+            if self.watchdog is not None:
+                self.watchdog.kill()
+                self.watchdog.wait()
+            _LIVE.discard(self)
+            if self.cfg is not None and self.cfg.name and _BY_NAME.get(self.cfg.name) is self:
+                del _BY_NAME[self.cfg.name]
 
     def __enter__(self) -> VLLMServer:
         if self._owned and self.proc is None:
@@ -355,6 +298,14 @@ class VLLMServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    async def __aenter__(self) -> VLLMServer:
+        if self._owned and self.proc is None:
+            await self.start_async()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.stop)
+
     def __repr__(self) -> str:
         state = "attached" if not self._owned else ("running" if self.is_running() else "stopped")
         return f"VLLMServer({self.model_name!r}, {self.url}, {state})"
@@ -363,21 +314,12 @@ class VLLMServer:
 def find_server_processes(server_ids: list[str] | None = None) -> list[Any]:
     """Processes carrying the marker of one of ``server_ids`` (default: all this process
     started). Used by ``stop()`` and by the tests' "no vLLM left behind" check."""
-    import psutil
-
-    ids = set(STARTED_IDS if server_ids is None else server_ids)
-    found = []
-    if not ids:
-        return found
-    for p in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
-            if p.environ().get(MARKER_ENV) in ids and p.pid != os.getpid():
-                found.append(p)
-    return found
+    return marked_processes(STARTED_IDS if server_ids is None else server_ids)
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped (also runs at exit)."""
     for server in list(_LIVE):
         with contextlib.suppress(Exception):
             server.stop(timeout=5)

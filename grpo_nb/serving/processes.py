@@ -1,0 +1,180 @@
+"""The process side of a vLLM server: markers, the owner watchdog, orphans and reaping.
+
+Every process of a server we start inherits two environment variables, readable from
+``/proc/<pid>/environ`` by anyone of the same user::
+
+    GRPO_NB_SERVER_ID=<id>      which server the process belongs to (API server, EngineCore …)
+    GRPO_NB_OWNER_PID=<pid>     the Python process that started it (kernel, CLI, test)
+
+A server lives in its own session (so a Ctrl-C aimed at the notebook does not kill it half-way),
+which also means nothing ends it when its owner is SIGKILLed. Hence a watchdog: a tiny stdlib
+process, child of the owner, that notices its parent changed (the owner died, however it died)
+and ends the server's whole tree::
+
+    owner ──spawn──► vLLM tree (own session, marked)
+      └───spawn──► watchdog ── getppid() ≠ owner ──► SIGTERM group + marked, grace, SIGKILL
+                       └────── server exited (pidfd readable) ──► exits quietly
+
+``python -m grpo_nb doctor`` lists servers whose owner is gone (:func:`find_orphans`) and
+``--reap`` ends them (:func:`reap`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+MARKER_ENV = "GRPO_NB_SERVER_ID"
+OWNER_ENV = "GRPO_NB_OWNER_PID"
+
+# Stdlib only, so that it starts in ~30 ms and imports nothing that could fail.
+# Why getppid and not PR_SET_PDEATHSIG: the death signal follows the *thread* that spawned the
+# child, and servers are often started from asyncio.to_thread, whose threads come and go.
+WATCHDOG = r"""
+import os, select, signal, sys, time
+owner, leader, marker, grace = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+try:
+    fd = os.pidfd_open(leader)
+except (AttributeError, OSError):
+    fd = None
+while os.getppid() == owner:
+    if fd is not None and select.select([fd], [], [], 0.25)[0]:
+        sys.exit(0)
+    if fd is None:
+        time.sleep(0.25)
+
+def marked():
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if ("GRPO_NB_SERVER_ID=" + marker).encode() in env:
+                out.append(int(name))
+    return out
+
+def signal_all(sig):
+    try:
+        os.killpg(leader, sig)
+    except OSError:
+        pass
+    for pid in marked():
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+signal_all(signal.SIGTERM)
+deadline = time.monotonic() + grace
+while marked() and time.monotonic() < deadline:
+    time.sleep(0.2)
+signal_all(signal.SIGKILL)
+"""
+
+
+def start_watchdog(leader_pid: int, server_id: str, grace_s: float = 4.0
+                   ) -> subprocess.Popen[bytes]:
+    """Spawn the watchdog for a server whose process-group leader is ``leader_pid``."""
+    env = {k: v for k, v in os.environ.items() if k not in (MARKER_ENV, OWNER_ENV)}
+    return subprocess.Popen(
+        [sys.executable, "-c", WATCHDOG, str(os.getpid()), str(leader_pid), server_id,
+         str(grace_s)],
+        env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def marked_processes(server_ids: Iterable[str] | None = None) -> list[Any]:
+    """``psutil.Process`` objects carrying a server marker (of ``server_ids``, or any)."""
+    import psutil
+
+    ids = None if server_ids is None else set(server_ids)
+    if ids is not None and not ids:
+        return []
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            marker = p.environ().get(MARKER_ENV)
+            if marker and (ids is None or marker in ids) and p.pid != os.getpid():
+                found.append(p)
+    return found
+
+
+def end_processes(procs: list[Any], leader_pid: int | None, timeout: float) -> None:
+    """SIGTERM the group and ``procs``, wait up to ``timeout``, SIGKILL what is left."""
+    import psutil
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if leader_pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(leader_pid, sig)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        _, procs = psutil.wait_procs(procs, timeout=timeout if sig == signal.SIGTERM else 5)
+
+
+@dataclass
+class Orphan:
+    """A server started by grpo_nb whose owner process is gone."""
+
+    server_id: str
+    owner_pid: int
+    pids: list[int]
+    port: str
+    model: str
+    rss_gib: float
+
+
+def _owner_alive(owner: int, since: float) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(owner)
+        # A reused pid (created after the server) is not the owner.
+        return p.status() != psutil.STATUS_ZOMBIE and p.create_time() <= since + 1
+    except psutil.Error:
+        return False
+
+
+def _arg(cmdline: list[str], flag: str) -> str:
+    return cmdline[cmdline.index(flag) + 1] if flag in cmdline[:-1] else "?"
+
+
+def find_orphans() -> list[Orphan]:
+    """Servers (grouped by marker) whose ``GRPO_NB_OWNER_PID`` is no longer running."""
+    import psutil
+
+    groups: dict[str, list[Any]] = {}
+    owners: dict[str, int] = {}
+    for p in marked_processes():
+        with contextlib.suppress(psutil.Error, ValueError):
+            env = p.environ()
+            owners[env[MARKER_ENV]] = int(env[OWNER_ENV])
+            groups.setdefault(env[MARKER_ENV], []).append(p)
+    orphans = []
+    for sid, procs in groups.items():
+        with contextlib.suppress(psutil.Error):
+            oldest = min(p.create_time() for p in procs)
+            if _owner_alive(owners[sid], oldest):
+                continue
+            cmd = max((p.cmdline() for p in procs), key=lambda c: "--port" in c)
+            rss = sum(p.memory_info().rss for p in procs) / 2**30
+            orphans.append(Orphan(sid, owners[sid], sorted(p.pid for p in procs),
+                                  _arg(cmd, "--port"), _arg(cmd, "--model"), round(rss, 2)))
+    return orphans
+
+
+def reap(orphans: list[Orphan], timeout: float = 10.0) -> list[int]:
+    """End every process of ``orphans``; returns the pids that were signalled."""
+    procs = marked_processes([o.server_id for o in orphans])
+    end_processes(procs, None, timeout)
+    return sorted(p.pid for p in procs)
