@@ -6,10 +6,11 @@ The same functions serve the toy ring (one action per sample, ``T = 1``) and the
     rewards [B] ──► group_advantages ──► A [B] ─────────────────────────┐
                                                                          ▼
     logits [B,T,V] ─► token_logprobs ─► logp [B,T] ──► policy_loss(logp, old, A, mask, ...)
-                                          │                 │   ratio  r = exp(logp - old)
-    old_logprobs [B,T] (policy that sampled,│                │   PPO-clip, clip-higher
-       recomputed by the trainer) ─────────┼────────────────►│   + kl_coef * kl_penalty(logp, ref)
-    ref_logprobs [B,T] (frozen reference) ─┘                 │   x truncated IS weight (optional)
+                                          │                 │   ratio  ρ = exp(logp - old)
+    old_logprobs [B,T] (π_old: the policy  │                 │   PPO-clip, clip-higher
+       the ratio is taken against) ────────┼────────────────►│   + kl_coef * kl_penalty(logp, ref)
+    ref_logprobs [B,T] (frozen reference) ─┘                 │   dual-clip for A < 0 (optional)
+                                                             │   x truncated IS weight (optional)
     sampler_logprobs [B,T] (from vLLM, optional) ───────────►│
                                                              ▼
                                    aggregate(per_token, mask, loss_agg) ──► (loss, metrics)
@@ -20,9 +21,9 @@ Conventions
     * ``mask`` is ``[B, T]`` (bool or float); a masked-out (padding) position never contributes to
       the loss, its gradient or any metric.
     * Every computation runs in float32, whatever the input dtype (bf16 logits included).
-    * :func:`policy_loss` returns a loss to *minimise*: the negative clipped surrogate. (The seed
-      script minimised ``ratio * advantage`` itself, which pushes probability *away* from good
-      answers.)
+    * :func:`policy_loss` returns a loss to *minimise*: the negative clipped surrogate.
+      (Minimising ``ratio * advantage`` itself, a common sign slip, pushes probability *away*
+      from good answers.)
 """
 
 from __future__ import annotations
@@ -75,8 +76,11 @@ def group_advantages(
         scale="none":  A_i =  r_i - mean_g(r)                          (Dr. GRPO)
 
     ``std_g`` is the unbiased sample standard deviation (Bessel's correction, ``n - 1``), as in
-    ``torch.std`` and TRL. Dividing by it gives a group of nearly-solved (or nearly-failed)
-    prompts the same advantage magnitude as a 50/50 group: the "difficulty bias" that
+    ``torch.std`` and TRL. Dividing by it fixes each group's *sum of squared* advantages:
+    ``Σ_i A_i² = G - 1`` for every group with any spread (exactly so at ``eps = 0``), whatever its
+    success rate. A nearly-solved (or nearly-failed) group is therefore scaled up far more than
+    a 50/50 one; its ``Σ_i |A_i|`` stays smaller (one outlier carries most of it), but its
+    advantages grow to several times what ``scale="none"`` gives: the "difficulty bias" that
     ``scale="none"`` removes. A group whose rewards are all equal gets exactly ``0`` (not
     ``0 / eps`` rounding noise): use :func:`zero_std_groups` to count them.
 
@@ -152,15 +156,17 @@ def token_logprobs(
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> Tensor:
     """Per-token estimates of ``KL(π_θ || π_ref)`` from tokens sampled by ``π_θ``.
 
-    With ``log ρ = log π_ref(y) - log π_θ(y)`` (Schulman, "Approximating KL divergence")::
+    With ``κ = π_ref(y) / π_θ(y)``, ``log κ = log π_ref(y) - log π_θ(y)`` (Schulman,
+    "Approximating KL divergence"; ``κ`` rather than ``ρ``, which is ``π_θ / π_old`` in
+    :func:`policy_loss`)::
 
-        k1 = -log ρ                     unbiased, high variance, can be negative
-        k2 = ½ (log ρ)²                 biased, low variance, ≥ 0
-        k3 = ρ - 1 - log ρ              unbiased, low variance, ≥ 0 (GRPO / DeepSeekMath)
+        k1 = -log κ                     unbiased, high variance, can be negative
+        k2 = ½ (log κ)²                 biased, low variance, ≥ 0
+        k3 = κ - 1 - log κ              unbiased, low variance, ≥ 0 (GRPO / DeepSeekMath)
 
     Gradients with respect to ``logprobs`` (``ref_logprobs`` is treated as a constant)::
 
-        ∂k1/∂logπ_θ = 1        ∂k2/∂logπ_θ = -log ρ        ∂k3/∂logπ_θ = 1 - ρ
+        ∂k1/∂logπ_θ = 1        ∂k2/∂logπ_θ = -log κ        ∂k3/∂logπ_θ = 1 - κ
 
     Used as a *loss* (gradient through ``log π_θ`` only, the sampling distribution held fixed),
     their gradients averaged over ``y ~ π_θ`` are: ``k1`` → 0 (no pull towards the reference at
@@ -172,12 +178,12 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> T
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs "
                          f"{tuple(ref_logprobs.shape)} differ in shape")
-    log_rho = ref_logprobs.detach().float() - logprobs.float()
+    log_kappa = ref_logprobs.detach().float() - logprobs.float()
     if kind == "k1":
-        return -log_rho
+        return -log_kappa
     if kind == "k2":
-        return 0.5 * log_rho.square()
-    return torch.expm1(log_rho) - log_rho
+        return 0.5 * log_kappa.square()
+    return torch.expm1(log_kappa) - log_kappa
 
 
 # ── aggregation ────────────────────────────────────────────────────────────────────────────
@@ -192,15 +198,18 @@ def aggregate(
 
         token-mean:               Σ_b Σ_t m x / Σ_b L_b
         seq-mean-token-mean:      mean over {b : L_b > 0} of (Σ_t m x / L_b)
-        seq-mean-token-sum-norm:  Σ_b Σ_t m x / (B · max_tokens)     (Dr. GRPO; max_tokens
-                                                                      defaults to T)
+        seq-mean-token-sum-norm:  Σ_b Σ_t m x / (B · max_tokens)     (Dr. GRPO)
 
     ``token-mean`` weights every token equally, so long answers count more per sample.
     ``seq-mean-token-mean`` weights every sequence equally, so each token of a long answer
     counts *less*: a long wrong answer is penalised less per token than a short wrong one
     (the length bias Dr. GRPO points out). ``seq-mean-token-sum-norm`` divides by a constant, so
     each token's weight depends on neither its own sequence's length nor the batch's.
-    Empty batches (no unmasked token) give 0.
+
+    ``max_tokens`` is required for ``seq-mean-token-sum-norm`` (and ignored otherwise): pass the
+    *fixed* maximum completion length the sampler allows. It must not be the padded width ``T``
+    of the tensor at hand: that width changes from micro-batch to micro-batch, so the gradient
+    would change with ``grad_accum``. Empty batches (no unmasked token) give 0.
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
@@ -217,10 +226,11 @@ def aggregate(
         seq = x.sum(dim=1) / lengths.clamp(min=1.0)
         present = (lengths > 0).float()
         return (seq * present).sum() / present.sum().clamp(min=1.0)
-    norm = per_token.shape[1] if max_tokens is None else max_tokens
-    if norm <= 0:
-        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    return x.sum() / (per_token.shape[0] * norm)
+    if max_tokens is None or max_tokens <= 0:
+        raise ValueError(
+            f"loss_agg='seq-mean-token-sum-norm' needs max_tokens > 0 (the fixed maximum "
+            f"completion length, Dr. GRPO's constant), got max_tokens={max_tokens}")
+    return x.sum() / (per_token.shape[0] * max_tokens)
 
 
 # ── the loss ───────────────────────────────────────────────────────────────────────────────
@@ -246,19 +256,29 @@ def policy_loss(
     kl_kind: KLKind = "k3",
     sampler_logprobs: Tensor | None = None,
     tis_cap: float | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO loss (to minimise) and its diagnostics.
 
-    Per token, with ``r = exp(logp - old)`` and ``A`` the sequence's advantage::
+    Per token, with ``r = ρ = exp(logp - old)`` (π_θ / π_old for that token: a per-token
+    correction, not the sequence's importance weight ``Π_t ρ_t``) and ``A`` the sequence's
+    advantage::
 
         surrogate = min(r · A, clip(r, 1 - clip_low, 1 + clip_high) · A)      PPO-clip
+        surrogate = max(surrogate, dual_clip · A)    where A < 0              dual-clip (optional)
         ℓ         = -w · surrogate + kl_coef · KL_kind(logp, ref)
         loss      = aggregate(ℓ, mask, loss_agg, max_tokens)
 
     ``clip_high > clip_low`` is DAPO's "clip-higher": it lets rare tokens with ``A > 0`` grow
     further before the clip stops their gradient. ``old_logprobs`` are the log-probs of the
-    policy that generated the samples, recomputed by the trainer (detached); the gradient flows
-    through ``logprobs`` only.
+    policy the ratio is taken against (detached); the gradient flows through ``logprobs`` only.
+
+    The clip does *not* bound every token: for ``A < 0`` and ``r > 1 + clip_high`` the ``min``
+    keeps the unclipped ``r · A``, so the loss ``-r·A = r·|A|`` and its gradient grow without
+    limit with the ratio (a stale sample whose token became much likelier pushes as hard as its
+    ratio says). ``dual_clip = c > 1`` (Ye et al. 2020, "dual-clip PPO") caps that branch at
+    ``c · |A|``: where ``A < 0`` and ``r > c`` the loss is the constant ``c · |A|`` and the
+    gradient is zero.
 
     Truncated importance sampling (off unless both ``sampler_logprobs`` and ``tis_cap`` are
     given): the sampler (vLLM) and the trainer compute slightly different probabilities for the
@@ -270,8 +290,10 @@ def policy_loss(
     the KL term), aggregated like the loss; token-means over unmasked tokens of ``kl`` (0 without
     a reference), ``clip_frac_low`` (``r < 1 - clip_low`` and ``A < 0``: the lower clip zeroes the
     gradient), ``clip_frac_high`` (``r > 1 + clip_high`` and ``A > 0``), ``ratio_mean``,
-    ``tis_weight_mean`` and ``tis_frac_capped`` (1 and 0 when off); ``ratio_max`` and
-    ``ratio_min`` over unmasked tokens (1 when there are none).
+    ``tis_weight_mean`` and ``tis_frac_capped`` (1 and 0 when off), ``dual_clip_frac`` (``A < 0``
+    and ``r > dual_clip``; 0 when off); ``ratio_max`` and ``ratio_min`` over unmasked tokens (1
+    when there are none). ``max_tokens`` is required with ``loss_agg="seq-mean-token-sum-norm"``
+    (see :func:`aggregate`).
     """
     shape = logprobs.shape
     if logprobs.dim() != 2:
@@ -291,6 +313,8 @@ def policy_loss(
         raise ValueError("truncated importance sampling needs both sampler_logprobs and tis_cap")
     if tis_cap is not None and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (a cap on r for A < 0), got {dual_clip}")
 
     m = mask.float()
     valid = m != 0
@@ -302,6 +326,8 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
+    if dual_clip is not None:
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, dual_clip * adv), surrogate)
 
     weight = torch.ones_like(ratio)
     if sampler_logprobs is not None and tis_cap is not None:
@@ -333,6 +359,8 @@ def policy_loss(
             "ratio_min": torch.where(valid, r, torch.inf).min() if r.numel() else one,
             "tis_weight_mean": aggregate(weight, m),
             "tis_frac_capped": aggregate(capped.float(), m),
+            "dual_clip_frac": aggregate(((r > dual_clip) & (adv < 0)).float(), m)
+            if dual_clip is not None else torch.zeros((), device=r.device),
         }
         # one device-to-host copy for all metrics, not one sync per value
         stacked = torch.stack([v.float().reshape(()) for v in values.values()]).tolist()

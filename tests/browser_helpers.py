@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ def fixture_notebook(steps: int = 5, fail: bool = False) -> nbformat.NotebookNod
             "# Fixture: a live plot and a slider\n\nWhat you will learn: that $\\sqrt{x^2} = |x|$.\n\n"
             "**Time:** smoke ~1 min · full ~2 min"
         ),
+        v4.new_markdown_cell("A display formula:\n\n$$A_i = \\frac{r_i - \\bar r}{\\sigma + \\varepsilon}$$"),
         v4.new_code_cell(
             "import asyncio\n\nimport ipywidgets as widgets\nimport matplotlib.pyplot as plt\n"
             "from IPython.display import display\n\n"
@@ -68,7 +70,7 @@ def fixture_notebook(steps: int = 5, fail: bool = False) -> nbformat.NotebookNod
         v4.new_code_cell(f"def double(x):\n    {FIXTURE_SOLUTION}"),
         v4.new_code_cell("assert double(2) == 4\nprint('self-check passed')"),
     ]
-    for cell, tag in zip(cells[4:7], ["exercise", "exercise", "solution"], strict=True):
+    for cell, tag in zip(cells[5:8], ["exercise", "exercise", "solution"], strict=True):
         cell.metadata["tags"] = [tag]
     if fail:
         cells.append(v4.new_code_cell("raise RuntimeError('fixture failure')"))
@@ -79,6 +81,58 @@ def fixture_notebook(steps: int = 5, fail: bool = False) -> nbformat.NotebookNod
         "language": "python",
     }
     return nb
+
+
+# Raw TeX a page shows when MathJax did not run (the delimiters nbconvert leaves in the text).
+RAW_TEX = re.compile(r"\$\$|\\\(|\\\[|\$\\[a-z]+|\\frac|\\sqrt")
+
+
+def offline_typeset(html_path: Path) -> dict[str, Any]:
+    """Open a handout page in Debian's headless Chromium with the network cut off; report what
+    MathJax typeset, and any TeX left raw in the prose (markdown) cells. Every request that is
+    not a local file is aborted and listed."""
+    from playwright.sync_api import sync_playwright
+
+    from grpo_nb.course.handouts_render import CHROMIUM_ARGS, chromium_executable
+
+    blocked: list[str] = []
+
+    def only_files(route: Any) -> None:
+        if route.request.url.startswith("file://"):
+            route.continue_()
+        else:
+            blocked.append(route.request.url)
+            route.abort()
+
+    with contextlib.ExitStack() as stack:
+        profile = stack.enter_context(tempfile.TemporaryDirectory())
+        pw = stack.enter_context(sync_playwright())
+        ctx = pw.chromium.launch_persistent_context(
+            profile, executable_path=chromium_executable(), headless=True, args=CHROMIUM_ARGS,
+            offline=True,
+        )  # fmt: skip
+        stack.callback(ctx.close)
+        ctx.route("**/*", only_files)
+        page = ctx.new_page()
+        page.goto(html_path.resolve().as_uri(), wait_until="load", timeout=60_000)
+        loaded = page.evaluate(
+            """() => new Promise(done => {
+                   const t0 = Date.now();
+                   (function poll() {
+                       if (window.MathJax && window.MathJax.Hub) {
+                           window.MathJax.Hub.Queue(() => done(true));
+                       } else if (Date.now() - t0 > 15000) { done(false); }
+                       else { setTimeout(poll, 100); }
+                   })();
+               })"""
+        )
+        typeset = page.locator(".MathJax_CHTML, mjx-container").count()
+        errors = page.locator(".MathJax_Error, merror, .mjx-merror").count()
+        # markdown cells only: code cells legitimately show TeX (matplotlib axis labels)
+        prose = page.locator(".jp-MarkdownOutput").all_inner_texts()
+        text = "\n".join(prose) if prose else page.locator("body").inner_text()
+    return {"loaded": loaded, "typeset": typeset, "errors": errors,
+            "raw_tex": sorted(set(RAW_TEX.findall(text))), "blocked": blocked}
 
 
 def free_port() -> int:

@@ -39,6 +39,21 @@ def test_group_advantages_eps_and_none_scale():
     )
 
 
+@pytest.mark.parametrize("k", range(1, 8))
+def test_std_scaling_fixes_the_sum_of_squares_not_of_magnitudes(k):
+    # What dividing by the unbiased std equalises across difficulties is Σ A² = G - 1; Σ |A|
+    # still depends on the success rate (a 1-in-8 group has less total |A| than a 4-in-8 one).
+    g = 8
+    r = torch.tensor([1.0] * k + [0.0] * (g - k))
+    a = group_advantages(r, g, eps=0.0)
+    assert a.square().sum().item() == pytest.approx(g - 1, rel=1e-5)
+    n = group_advantages(r, g, scale="none")
+    assert n.square().sum().item() == pytest.approx(k * (g - k) / g, rel=1e-5)
+    balanced = group_advantages(torch.tensor([1.0] * 4 + [0.0] * 4), g, eps=0.0)
+    if k != 4:
+        assert a.abs().sum() < balanced.abs().sum()
+
+
 def test_std_scaling_difficulty_bias():
     # A nearly-solved group [1,1,1,0]: without std scaling the single failure gets -0.75, with it
     # -1.5; a 50/50 group [1,1,0,0] gets ±0.5 unscaled and ±0.866 scaled. Std scaling inflates the
@@ -243,10 +258,14 @@ def test_aggregate_closed_form():
     assert aggregate(x, mask, "token-mean").item() == pytest.approx(16 / 4)
     # sequences with tokens: (1+2+3)/3 = 2 and 10/1 = 10 -> 6; the empty row is left out
     assert aggregate(x, mask, "seq-mean-token-mean").item() == pytest.approx(6.0)
-    assert aggregate(x, mask, "seq-mean-token-sum-norm").item() == pytest.approx(16 / (3 * 3))
+    assert aggregate(x, mask, "seq-mean-token-sum-norm", max_tokens=3).item() == pytest.approx(
+        16 / (3 * 3)
+    )
     assert aggregate(x, mask, "seq-mean-token-sum-norm", max_tokens=8).item() == pytest.approx(
         16 / 24
     )
+    with pytest.raises(ValueError, match="max_tokens"):  # no silent fallback to the padded width
+        aggregate(x, mask, "seq-mean-token-sum-norm")
     assert aggregate(x, torch.zeros_like(mask), "token-mean").item() == 0.0
 
 
@@ -254,7 +273,7 @@ def test_aggregate_ignores_nonfinite_padding():
     x = torch.tensor([[1.0, float("nan")], [2.0, float("inf")]], requires_grad=True)
     mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        out = aggregate(x, mask, agg)
+        out = aggregate(x, mask, agg, max_tokens=2)
         assert torch.isfinite(out)
         (grad,) = torch.autograd.grad(out, x)
         assert torch.equal(grad[:, 1], torch.zeros(2))

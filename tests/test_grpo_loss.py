@@ -52,6 +52,62 @@ def test_clip_higher_is_asymmetric():
     assert (loss, grad, m["clip_frac_low"]) == (pytest.approx(0.8), 0.0, 1.0)
 
 
+# (ratio, advantage) -> (loss, gradient wrt logp, counted in dual_clip_frac), clip 0.2, dual 3.
+DUAL_CASES = [
+    (5.0, -1.0, 3.0, 0.0, 1),  # A<0 far above 1+ε: capped at 3·|A|, no gradient
+    (5.0, -2.0, 6.0, 0.0, 1),  # the cap scales with |A|
+    (2.0, -1.0, 2.0, 2.0, 0),  # A<0 between 1+ε and c: unclipped, as in plain PPO
+    (0.5, -1.0, 0.8, 0.0, 0),  # A<0 below 1-ε: the ordinary lower clip
+    (5.0, +1.0, -1.2, 0.0, 0),  # A>0: dual-clip never applies
+]
+
+
+@pytest.mark.parametrize(("ratio", "adv", "loss", "grad", "frac"), DUAL_CASES)
+def test_dual_clip_against_hand_values(ratio, adv, loss, grad, frac):
+    got_loss, got_grad, m = _one_token(ratio, adv, dual_clip=3.0)
+    assert got_loss == pytest.approx(loss, rel=1e-6)
+    assert got_grad == pytest.approx(grad, rel=1e-6, abs=1e-12)
+    assert m["dual_clip_frac"] == frac
+
+
+def test_negative_advantage_branch_is_unbounded_without_dual_clip():
+    # PPO's clip does not bound a stale A < 0 token whose ratio grew: loss and gradient = r·|A|.
+    for ratio in (2.0, 5.0, 20.0):
+        loss, grad, m = _one_token(ratio, -1.0)
+        assert loss == pytest.approx(ratio, rel=1e-6) and grad == pytest.approx(ratio, rel=1e-6)
+        assert m["clip_frac_low"] == m["clip_frac_high"] == m["dual_clip_frac"] == 0
+        capped, capped_grad, _ = _one_token(ratio, -1.0, dual_clip=3.0)
+        assert capped == pytest.approx(min(ratio, 3.0), rel=1e-6)
+        assert capped_grad == (pytest.approx(ratio, rel=1e-6) if ratio < 3 else 0.0)
+
+
+def test_sum_norm_gradient_does_not_depend_on_micro_batching():
+    """One batch, or two micro-batches each padded only to its own longest answer (what the LLM
+    trainer does with grad_accum=2, weighting each micro-batch 1/2): the same gradient."""
+    g = torch.Generator().manual_seed(6)
+    lengths = torch.tensor([6, 2, 3, 1])
+    mask = torch.arange(6)[None] < lengths[:, None]
+    logp = torch.randn(4, 6, generator=g) * 0.1 - 1.0
+    old = logp + 0.05 * torch.randn(4, 6, generator=g)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+
+    def grad(parts: list[slice]) -> torch.Tensor:
+        x = logp.clone().requires_grad_()
+        for rows in parts:
+            width = int(lengths[rows].max())
+            loss, _ = policy_loss(x[rows, :width], old[rows, :width], adv[rows],
+                                  mask[rows, :width], loss_agg="seq-mean-token-sum-norm",
+                                  max_tokens=8)
+            (loss / len(parts)).backward()
+        assert x.grad is not None
+        return x.grad
+
+    one = grad([slice(0, 4)])
+    two = grad([slice(0, 2), slice(2, 4)])
+    assert one.abs().sum() > 0
+    torch.testing.assert_close(one, two)
+
+
 def test_closed_form_aggregation_modes():
     # ratio 1 everywhere -> per-token loss is -A: [[-1, -1], [3, pad]]
     logp = torch.zeros(2, 2)
@@ -63,7 +119,7 @@ def test_closed_form_aggregation_modes():
         "seq-mean-token-sum-norm": 1 / 4,
     }
     for agg, value in expect.items():
-        loss, m = policy_loss(logp, logp, adv, mask, loss_agg=agg)
+        loss, m = policy_loss(logp, logp, adv, mask, loss_agg=agg, max_tokens=2)
         assert loss.item() == pytest.approx(value) and m["loss"] == pytest.approx(value)
     loss, _ = policy_loss(logp, logp, adv, mask, loss_agg="seq-mean-token-sum-norm", max_tokens=4)
     assert loss.item() == pytest.approx(1 / 8)
@@ -76,7 +132,7 @@ def test_length_bias_of_aggregation_modes():
     per_token_grad = {}
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         logp = torch.zeros(2, 4, requires_grad=True)
-        policy_loss(logp, torch.zeros(2, 4), adv, mask, loss_agg=agg)[0].backward()
+        policy_loss(logp, torch.zeros(2, 4), adv, mask, loss_agg=agg, max_tokens=4)[0].backward()
         per_token_grad[agg] = (logp.grad[0, 0].item(), logp.grad[1, 0].item())
     # token-mean: every token 1/5; seq-mean: short 1/2, long 1/8; sum-norm: all 1/(2*4)
     assert per_token_grad["token-mean"] == pytest.approx((1 / 5, 1 / 5))
@@ -97,7 +153,7 @@ def test_padding_never_contributes():
     adv = torch.tensor([1.0, -0.5, 2.0])
     for agg in AGGS:
         loss, metrics = policy_loss(
-            logp, old, adv, mask, loss_agg=agg, ref_logprobs=ref, kl_coef=0.1
+            logp, old, adv, mask, loss_agg=agg, max_tokens=5, ref_logprobs=ref, kl_coef=0.1
         )
         # garbage at padded positions: a huge ratio, a NaN reference
         p = torch.where(mask, logp, 50.0).requires_grad_()
@@ -107,6 +163,7 @@ def test_padding_never_contributes():
             adv,
             mask,
             loss_agg=agg,
+            max_tokens=5,
             ref_logprobs=torch.where(mask, ref, float("nan")),
             kl_coef=0.1,
         )
@@ -172,7 +229,7 @@ def test_t_equals_one_toy_shape():
     logp = torch.log(torch.tensor([[0.2], [0.5], [0.3], [0.6]])).requires_grad_()
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     losses = [
-        policy_loss(logp, logp.detach(), adv, torch.ones(4, 1), loss_agg=a)[0]
+        policy_loss(logp, logp.detach(), adv, torch.ones(4, 1), loss_agg=a, max_tokens=1)[0]
         for a in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
     ]
     assert losses[0].shape == () and all(x.item() == pytest.approx(0.0, abs=1e-7) for x in losses)
@@ -201,6 +258,8 @@ def test_bf16_inputs_compute_in_fp32():
         (dict(tis_cap=2.0), "both"),
         (dict(clip_low=1.0), "clip_low"),
         (dict(loss_agg="sum"), "loss_agg"),
+        (dict(loss_agg="seq-mean-token-sum-norm"), "max_tokens"),
+        (dict(dual_clip=1.0), "dual_clip"),
     ],
 )
 def test_policy_loss_errors(kw, match):

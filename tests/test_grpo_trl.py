@@ -90,6 +90,7 @@ def test_matches_trl_documented_formulas(loss_type):
         clip_low=EPS_LOW,
         clip_high=EPS_HIGH,
         loss_agg=TRL_AGG[loss_type],
+        max_tokens=logp.shape[1],
         ref_logprobs=ref,
         kl_coef=BETA,
         kl_kind="k3",
@@ -169,6 +170,7 @@ def test_matches_trl_code(loss_type, tis):
         clip_low=EPS_LOW,
         clip_high=EPS_HIGH,
         loss_agg=TRL_AGG[loss_type],
+        max_tokens=logp.shape[1],  # TRL's max_completion_length in _trl_loss
         ref_logprobs=ref,
         kl_coef=BETA,
         **tis_kw,

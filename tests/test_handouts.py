@@ -12,9 +12,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from browser_helpers import FIXTURE_SOLUTION, fixture_notebook
+from browser_helpers import FIXTURE_SOLUTION, fixture_notebook, offline_typeset
 
-from grpo_nb.course import handouts
+from grpo_nb.course import doctor, handouts
 from grpo_nb.course.handouts_render import FROM_WIDGET, WIDGET_VIEW
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,6 +141,51 @@ def test_build_index_lists_pages_in_order_with_runtimes(built: tuple[int, Path])
     assert "fixture failure" in broken  # the page shows the traceback
 
 
+def test_pages_typeset_formulas_offline(built: tuple[int, Path]) -> None:
+    """The handout folder alone, network cut off: MathJax comes from html/mathjax/ by a relative
+    URL and turns every formula into typeset output; no raw TeX is left on the page."""
+    _, out = built
+    page = out / "html" / "01_fixture.html"
+    src = page.read_text()
+    assert 'src="mathjax/MathJax.js?config=' in src and "libs/mathjax" not in src
+    assert "/usr/share" not in src  # nothing points into this machine's file system
+    seen = offline_typeset(page)
+    assert seen["loaded"], f"MathJax did not load offline; blocked requests: {seen['blocked']}"
+    assert seen["typeset"] >= 2 and seen["errors"] == 0, seen  # the inline and the display one
+    assert seen["raw_tex"] == [], seen
+
+
+def test_offline_check_sees_raw_tex_without_local_mathjax(built: tuple[int, Path]) -> None:
+    # The same page pointing at a CDN (nbconvert's default) shows TeX source offline: the check
+    # above would fail on it.
+    _, out = built
+    src = (out / "html" / "01_fixture.html").read_text()
+    cdn = out / "html" / "cdn_copy.html"
+    cdn.write_text(src.replace("mathjax/MathJax.js?", "https://cdn.invalid/MathJax.js?"))
+    try:
+        seen = offline_typeset(cdn)
+    finally:
+        cdn.unlink()
+    assert not seen["loaded"] and seen["typeset"] == 0
+    assert "$$" in seen["raw_tex"] and any(u.startswith("https://cdn.invalid") for u in seen["blocked"])
+
+
+def test_readiness_check_prints_one_line_and_returns_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The first cell of every notebook ends with check("NN"): whatever it returns is displayed
+    # under the line, so it must return None (not a Report with its field dump).
+    assert doctor.check("03") is None
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[doctor 03] python ") and "mode" in lines[0]
+    shown = repr(doctor.diagnose())  # a cell that does end with a Report shows one short line
+    assert "\n" not in shown and "versions=" not in shown and len(shown) < 200
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        first = next(c for c in nb.cells if c.cell_type == "code")
+        assert first.source.strip().splitlines()[-1] == f'check("{path.name[:2]}")'
+
+
 def test_build_prints_one_pdf(built: tuple[int, Path]) -> None:
     _, out = built
     pdf = (out / handouts.PDF_NAME).read_bytes()
@@ -170,6 +215,38 @@ def test_course_notebook_conventions(path: Path) -> None:
     assert announced == [], f"untagged cells announce a solution: {announced}"
 
 
+def _readme_times() -> dict[str, tuple[str, str]]:
+    """The README's notebook table: number -> (smoke, full) as written, notes in () dropped."""
+    rows = {}
+    for line in (REPO / "README.md").read_text().splitlines():
+        m = re.match(r"\|\s*`(\d\d)_[^|]*\|[^|]*\|([^|]*)\|([^|]*)\|\s*$", line)
+        if m:
+            rows[m[1]] = tuple(re.sub(r"\([^)]*\)", "", c).strip() for c in (m[2], m[3]))
+    return rows
+
+
+def test_readme_table_states_the_notebooks_own_times() -> None:
+    # One source of truth: each notebook's **Time:** line; the README's table must repeat it.
+    readme = _readme_times()
+    assert sorted(readme) == [p.name[:2] for p in NOTEBOOKS]
+    for path in NOTEBOOKS:
+        stated = handouts.parse_runtime(nbformat.read(path, as_version=4))
+        assert stated is not None
+        assert readme[path.name[:2]] == (stated.smoke, stated.full), (
+            f"README.md's row for {path.name} says {readme[path.name[:2]]}, the notebook says "
+            f"{stated}: copy the notebook's **Time:** line into the table"
+        )
+
+
+@pytest.mark.parametrize("number", ["01", "02", "03"])
+def test_notebook_opens_with_prerequisites_goals_and_time(number: str) -> None:
+    (path,) = [p for p in NOTEBOOKS if p.name.startswith(number)]
+    opening = nbformat.read(path, as_version=4).cells[0].source
+    for heading in ("**Prerequisites**", "**What you will learn**", "**Time:**"):
+        assert heading in opening, f"{path.name}: the opening cell lacks {heading}"
+    assert opening.index("**Prerequisites**") < opening.index("**What you will learn**")
+
+
 @pytest.mark.slow
 def test_real_notebook_page_shows_every_plot(tmp_path: Path) -> None:
     """The real pipeline on a cheap real notebook (03, ~20 s): every image it drew is on its page,
@@ -187,6 +264,9 @@ def test_real_notebook_page_shows_every_plot(tmp_path: Path) -> None:
     drawn = len(images)
     assert any(o.metadata.get(FROM_WIDGET) for o in images), "no plot from under the sliders"
     html_page = page.files["page"].read_text()
+    assert "Report(" not in html_page  # the readiness cell shows its line, not a repr
+    seen = offline_typeset(page.files["page"])
+    assert seen["loaded"] and seen["typeset"] >= 10 and seen["raw_tex"] == [], seen
     assert drawn >= 3
     assert len(OUTPUT_IMAGE.findall(html_page)) == drawn
     assert WIDGET_VIEW not in html_page

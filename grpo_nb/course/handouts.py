@@ -16,6 +16,9 @@ Data flow (one notebook at a time, in file-name order)::
                                                                           notebook ─► print_pdf()
                                                                           (system Chromium) ─► out/grpo-notebooks.pdf
 
+The pages load MathJax from ``out/html/mathjax/`` (a copy of Debian's, by a relative URL), so
+the handout folder shows typeset formulas without internet.
+
 Conventions the notebooks follow (the tests check them on every notebook in ``notebooks/``):
 
 - exercise cells carry the tag ``exercise``, solution cells the tag ``solution``; the i-th
@@ -48,6 +51,7 @@ from grpo_nb.course.handouts_render import (
     local_mathjax_url,
     print_pdf,
     render_html,
+    ship_mathjax,
 )
 
 EXERCISE_TAG = "exercise"
@@ -261,6 +265,7 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     pages, executed = [], []
+    mathjax = ship_mathjax(html_dir / "mathjax")
     for path in find_notebooks(cfg.notebooks, cfg.only):
         nb = nbformat.read(path, as_version=4)
         page = PageResult(path.name, notebook_title(nb, path.stem), parse_runtime(nb))
@@ -272,7 +277,8 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
         page.shown = flatten_widgets(nb if cfg.solutions else _without_solutions(nb))
         executed.append(page.shown)
         page.files["page"] = html_dir / f"{path.stem}.html"
-        page.files["page"].write_text(render_html(page.shown), encoding="utf-8")
+        page.files["page"].write_text(render_html(page.shown, mathjax_url=mathjax),
+                                      encoding="utf-8")
         print(f"[handouts]   {page.seconds:.0f} s, {page.error or 'ok'}", flush=True)
     if cfg.pdf and executed:
         combined = _combine(executed)

@@ -11,9 +11,11 @@ Data flow::
 The PDF is printed by Debian's Chromium through Playwright rather than by nbconvert's
 ``WebPDFExporter``, because that exporter only launches Playwright's own downloaded browser and
 nothing may be downloaded on the course machines; the page it prints uses nbconvert's ``webpdf``
-template, so the result matches ``jupyter nbconvert --to webpdf``. Formulas in the PDF are typeset
-by Debian's MathJax (``libjs-mathjax``) when it is installed, so printing needs no internet. The browser test reuses
-:data:`CHROMIUM_ARGS` and :func:`chromium_executable`.
+template, so the result matches ``jupyter nbconvert --to webpdf``. Formulas are typeset by
+Debian's MathJax 2 (``libjs-mathjax``, installed by ``make system-deps``): :func:`ship_mathjax`
+copies the part of it the pages use (about 1.5 MB) next to the HTML pages, which load it by a
+relative URL, so a handout folder shows typeset formulas in a room without internet. The
+browser test reuses :data:`CHROMIUM_ARGS` and :func:`chromium_executable`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 FROM_WIDGET = "grpo_nb_from_widget"  # output metadata flag: this output was inside a widget
 LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax/MathJax.js")
+MATHJAX_CONFIG = "TeX-AMS_CHTML-full,Safe"  # nbconvert's own choice for its CDN copy
+# What MATHJAX_CONFIG loads in a browser (TeX in, CommonHTML out, its web fonts), relative to
+# the MathJax folder; the rest of the package (SVG/HTML-CSS output, unpacked sources) is 50 MB.
+MATHJAX_PARTS = (
+    "MathJax.js",
+    "config/TeX-AMS_CHTML-full.js",
+    "config/Safe.js",
+    "extensions",
+    "jax/input/TeX",
+    "jax/output/CommonHTML",
+    "jax/element",
+    "fonts/HTML-CSS/TeX/woff",
+    "localization/en",
+)
 # Playwright adds --headless itself and takes the profile folder as an argument of
 # launch_persistent_context; these are the rest. Background networking, component updates and
 # sync would try to reach Google from a machine without internet and stall page loads.
@@ -138,18 +154,40 @@ def flatten_widgets(nb: NotebookNode) -> NotebookNode:
     return out
 
 
+def ship_mathjax(dest: Path, source: Path = LOCAL_MATHJAX.parent) -> str:
+    """Copy MathJax's browser files into ``dest``; return the URL a page next to ``dest`` uses.
+
+    The URL is relative (``<dest name>/MathJax.js?config=…``), so the pages and the folder can
+    be moved or zipped together. Raises FileNotFoundError with the install command when
+    Debian's MathJax is missing: a handout that silently needs the internet is worse.
+    """
+    if not (source / "MathJax.js").is_file():
+        raise FileNotFoundError(f"no MathJax at {source}: apt-get install libjs-mathjax "
+                                "(make system-deps does it)")
+    shutil.rmtree(dest, ignore_errors=True)
+    for part in MATHJAX_PARTS:
+        src, out = source / part, dest / part
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, out, symlinks=False)  # Debian links fonts from other packages
+        else:
+            shutil.copyfile(src, out)
+    return f"{dest.name}/MathJax.js?config={MATHJAX_CONFIG}"
+
+
 def local_mathjax_url() -> str | None:
     """Debian's MathJax 2 (``libjs-mathjax``), for printing formulas without internet."""
     if not LOCAL_MATHJAX.is_file():
         return None
-    return f"{LOCAL_MATHJAX.as_uri()}?config=TeX-AMS_CHTML-full,Safe"
+    return f"{LOCAL_MATHJAX.as_uri()}?config={MATHJAX_CONFIG}"
 
 
 def render_html(nb: NotebookNode, template: str = "lab", mathjax_url: str | None = None) -> str:
     """One self-contained page: nbconvert inlines output images and the template's CSS.
 
-    Formulas are typeset by MathJax from nbconvert's CDN default unless ``mathjax_url`` says
-    otherwise: a page handed out must not point into this machine's file system.
+    ``mathjax_url`` is where the page loads MathJax from: the relative URL of
+    :func:`ship_mathjax` for handed-out pages (never a path into this machine's file system),
+    nbconvert's CDN default when None.
     """
     from nbconvert import HTMLExporter
 
