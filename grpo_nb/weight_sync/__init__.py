@@ -4,7 +4,8 @@
 
     trainer model ──WeightSyncer.sync(v)──► /pause ─► transport ─► version v ─► /resume
                                                        │                          │
-                    gloo   (CPU): gloo_engine.py, registered into vLLM's factories
+                    gloo   (CPU): gloo_engine.py, registered into vLLM's factories;
+                                  its group listens on 127.0.0.1 only (gloo_group.py)
                     reload (CPU): safetensors on disk + /collective_rpc reload_weights
                     nccl   (GPU): vLLM's NCCL engine, same interface
                                                                                   ▼

@@ -12,10 +12,14 @@ the routes around them::
 
 Every call raises on a non-2xx answer or a dead server (``requests`` raises
 ``ConnectionError`` at once when nothing listens), so a failed sync can never go unnoticed.
+Connections are kept alive (one ``requests.Session`` per thread: a sync calls from two), and
+every call is counted in :attr:`VLLMControlClient.round_trips`.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 
@@ -30,9 +34,17 @@ class VLLMControlClient:
     below) without importing vLLM, so the trainer side also loads where vLLM is absent.
     """
 
-    def __init__(self, base_url: str, timeout: float = 60.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        # A keyed server answers 401 on /v1 routes without it (verify() uses them).
+        self.api_key = api_key or os.environ.get("VLLM_API_KEY") or None
+        self.round_trips = 0
+        self._local = threading.local()
+        self._count_lock = threading.Lock()
+
+    def __repr__(self) -> str:  # never show the key
+        return f"VLLMControlClient({self.base_url!r}, timeout={self.timeout})"
 
     # ── vLLM's VLLMWeightSyncClient protocol ──
 
@@ -62,8 +74,15 @@ class VLLMControlClient:
         import requests
 
         url = f"{self.base_url}/{path.lstrip('/')}"
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        with self._count_lock:
+            self.round_trips += 1
         try:
-            response = requests.request(method, url, timeout=self.timeout, **kwargs)
+            response = session.request(method, url, timeout=self.timeout, headers=headers,
+                                       **kwargs)
         except requests.RequestException as err:
             raise WeightSyncError(f"{method} {url}: {type(err).__name__}: {err}") from err
         if not response.ok:
@@ -77,6 +96,10 @@ class VLLMControlClient:
 
     def resume(self) -> None:
         self._request("POST", "resume")
+
+    def is_paused(self) -> bool:
+        """The scheduler's pause state (``/health`` answers 200 either way)."""
+        return bool(self._request("GET", "is_paused").json()["is_paused"])
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[Any]:

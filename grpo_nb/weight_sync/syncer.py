@@ -6,13 +6,21 @@ vLLM's own weight-update flow and sets a new weight version on the server::
     sync(version)
       ├─ /pause?mode=keep|wait|abort      (why pause: no token is sampled from half-new weights)
       ├─ transport
-      │    gloo   : vLLM WeightTransferTrainerFactory → our gloo engine (start/update/finish)
+      │    gloo   : vLLM WeightTransferTrainerFactory → our gloo engine (start + update +
+      │             finish in one /collective_rpc, overlapped with our broadcasts)
       │    nccl   : the same factory → vLLM's NCCL engine (trainer and server on 2 GPUs)
       │    ipc    : the same factory → vLLM's CUDA-IPC engine (trainer and server share a GPU)
       │    reload : save safetensors → /collective_rpc reload_weights(weights_path=DIR)
       ├─ weight version := str(version)
-      ├─ /resume                          (always, in ``finally``)
+      ├─ /resume                          (after any attempted /pause, unless dirty: below)
       └─ verify (optional): server's probe log-probs == trainer's, version matches
+
+Transactions. A failure after the transfer began leaves the server paused on purpose: its
+weights are half-new, and resuming would sample from a model that never existed. The syncer
+records the cause in ``dirty``; the next ``sync`` re-sends everything (every sync is a full
+send) and resumes on success, or raises again and the run stops with the cause. A failure
+before the transfer (``/pause`` timed out, say) resumes as usual. ``SyncResult.phases`` times
+each step and ``round_trips`` counts the HTTP calls (gloo: pause, update, version, resume).
 
 Pause modes. ``keep`` freezes in-flight requests and continues them on the new weights (their
 early tokens came from the old policy: staleness *within* a sample, which the importance
@@ -29,13 +37,14 @@ import contextlib
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from grpo_nb.serving.server import free_port
+from grpo_nb.serving.net import free_port
 from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError
 
 Transport = Literal["gloo", "reload", "nccl", "ipc"]
@@ -52,7 +61,8 @@ class WeightSyncConfig:
             one per side) or ``ipc`` (GPU shared by trainer and server).
         pause_mode: what happens to in-flight requests during a sync (see module docstring).
         verify: after each sync, check that the served weights equal the trainer's.
-        chunk_mb: packed buffer size on the wire (gloo).
+        chunk_mb: unused since the gloo engine sends each tensor as it is (kept so that
+            saved configs still load).
         timeout_s: HTTP and process-group timeout; bounds how long a dead peer can block.
         atol: largest probe log-prob difference that still counts as "same weights".
         probe_batch / probe_len: size of the probe used by :meth:`WeightSyncer.verify`.
@@ -95,28 +105,57 @@ class WeightSyncConfig:
 
 @dataclass
 class SyncResult:
-    """What one sync did: the version now served, its duration and size, and the check."""
+    """What one sync did: the version now served, its duration and size, and the check.
+
+    ``phases`` holds milliseconds per phase: ``pause``, ``transfer`` (trainer side: gloo sends
+    / safetensors write), ``load`` (server side: ``load_weights`` / the reload RPC),
+    ``finish`` (server side: layer processing after the last tensor; gloo), ``version``,
+    ``resume`` and ``total``; gloo adds the server's ``start`` and ``wait`` (time it blocked
+    on the wire) and ``rpc`` (the update call's wall time seen by the trainer).
+    ``round_trips`` counts the HTTP calls the sync made (verification not included).
+    """
 
     version: int
     ms: float
     bytes: int
     verified: bool | None  # None: not checked
+    phases: dict[str, float] = field(default_factory=dict)
+    round_trips: int = 0
 
 
 def model_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+class _Phases(dict):
+    """``with phases("pause"): …`` records the block's milliseconds under that name."""
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[name] = self.get(name, 0.0) + (time.perf_counter() - t) * 1e3
+
+
 class WeightSyncer:
-    """Trainer side of weight sync for one model and one server (see module docstring)."""
+    """Trainer side of weight sync for one model and one server (see module docstring).
+
+    Transactional: once a sync has started changing the served weights, a failure leaves the
+    server *paused* (resuming would serve a half-loaded model) and records the cause in
+    :attr:`dirty`; the next :meth:`sync` re-sends every tensor and resumes only if that
+    succeeds. A failure before that point (e.g. ``/pause`` timed out) still resumes.
+    """
 
     def __init__(self, url: str, model: torch.nn.Module,
-                 cfg: WeightSyncConfig | None = None) -> None:
+                 cfg: WeightSyncConfig | None = None, *, api_key: str | None = None) -> None:
         self.cfg = cfg or WeightSyncConfig()
         self.model = model
-        self.client = VLLMControlClient(url, timeout=self.cfg.timeout_s)
+        self.client = VLLMControlClient(url, timeout=self.cfg.timeout_s, api_key=api_key)
         self.engine: Any = None
         self.version: int | None = None  # last version the server confirmed
+        self.dirty: str | None = None  # why the server holds half-loaded weights, if it does
         self._tmp: Path | None = None
         self._model_name: str | None = None
         self.last_gap: float | None = None
@@ -134,9 +173,7 @@ class WeightSyncer:
             from grpo_nb.weight_sync.gloo_engine import GlooTrainerInitInfo, register
 
             register()
-            info: Any = GlooTrainerInitInfo("127.0.0.1", free_port(), 2,
-                                            chunk_bytes=self.cfg.chunk_mb << 20,
-                                            timeout_s=self.cfg.timeout_s, rank=0)
+            info: Any = GlooTrainerInitInfo(timeout_s=self.cfg.timeout_s, rank=0)
         elif self.cfg.transport == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -155,13 +192,17 @@ class WeightSyncer:
                                   f"transfer: {type(err).__name__}: {err}") from err
 
     def close(self) -> None:
+        """Leave the transfer engine. A dirty server stays paused (see :attr:`dirty`)."""
+        self._drop_engine()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def _drop_engine(self) -> None:
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 self.engine.shutdown()
             self.engine = None
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
 
     def __enter__(self) -> WeightSyncer:
         self.connect()
@@ -178,46 +219,99 @@ class WeightSyncer:
         ``verify`` overrides ``cfg.verify`` for this call (the ring checks every few syncs
         and always the last one: each check costs a few probe requests).
         """
-        self.connect()
+        phases, trips = _Phases(), self.client.round_trips
         start = time.perf_counter()
-        paused = False
+        pause_attempted = touched = False
+        failure: BaseException | None = None
         try:
-            self.client.pause(self.cfg.pause_mode)
-            paused = True
-            if self.cfg.transport == "reload":
-                self._reload(str(version))
-            else:
-                self.engine.weight_version = str(version)  # ours sends it with "finish"
-                self.engine.send_weights()
-                if self.cfg.transport != "gloo":  # vLLM's engines finish without a version
-                    self.client.set_weight_version(str(version))
-        except WeightSyncError:
-            raise
-        except Exception as err:
-            raise WeightSyncError(f"weight sync to version {version} failed: "
-                                  f"{type(err).__name__}: {err}") from err
+            self.connect()
+            pause_attempted = True
+            with phases("pause"):
+                self.client.pause(self.cfg.pause_mode)
+            touched = True  # from here on the served weights may be half-new
+            self._transfer(str(version), phases)
+            self.dirty = None
+        except BaseException as err:
+            failure = err
+            if touched:
+                self.dirty = f"sync to version {version}: {type(err).__name__}: {err}"
+                self._drop_engine()  # a fresh group next time: this one may be mid-stream
         finally:
-            if paused:
-                self.client.resume()
-        ms = (time.perf_counter() - start) * 1e3
-        verified = self.verify(version) if (self.cfg.verify if verify is None else verify) else None
+            resume_error = self._resume(phases) if pause_attempted and not self.dirty else None
+        if failure is not None:
+            raise self._failure(version, failure, touched, resume_error) from failure
+        if resume_error is not None:
+            raise WeightSyncError(f"weights for version {version} loaded, but /resume "
+                                  f"failed: {resume_error}") from resume_error
+        phases["total"] = (time.perf_counter() - start) * 1e3
+        result = SyncResult(version, phases["total"], model_bytes(self.model), None,
+                            dict(phases), self.client.round_trips - trips)
+        if self.cfg.verify if verify is None else verify:
+            result.verified = self.verify(version)
         self.version = version
-        return SyncResult(version, ms, model_bytes(self.model), verified)
+        return result
 
-    def _reload(self, version: str) -> None:
+    def _resume(self, phases: _Phases) -> BaseException | None:
+        try:
+            with phases("resume"):
+                self.client.resume()
+        except Exception as err:  # reported by sync(), after any earlier failure
+            return err
+        return None
+
+    def _failure(self, version: int, err: BaseException, touched: bool,
+                 resume_error: BaseException | None) -> BaseException:
+        if not isinstance(err, Exception):
+            return err  # KeyboardInterrupt & co. propagate as they are
+        cause = err if isinstance(err, WeightSyncError) else f"{type(err).__name__}: {err}"
+        if self.dirty is not None:
+            where = "mid-transfer" if touched else "before its transfer"
+            return WeightSyncError(
+                f"weight sync to version {version} failed {where} ({cause}); the server stays "
+                f"PAUSED because its weights are half-loaded ({self.dirty}): the next sync "
+                "re-sends every tensor and resumes it only if that succeeds")
+        if resume_error is not None:
+            return WeightSyncError(f"weight sync to version {version} failed ({cause}), and "
+                                   f"/resume failed too: {resume_error}")
+        return err if isinstance(err, WeightSyncError) else WeightSyncError(
+            f"weight sync to version {version} failed: {cause}")
+
+    def _transfer(self, version: str, phases: _Phases) -> None:
+        if self.cfg.transport == "reload":
+            self._reload(version, phases)
+            return
+        if self.cfg.transport != "gloo":
+            with phases("transfer"):
+                self.engine.send_weights()
+            with phases("version"):
+                self.client.set_weight_version(version)
+            return
+        self.engine.send_weights()
+        report = self.engine.last
+        server = report.server
+        phases.update(transfer=report.send_ms, rpc=report.rpc_ms,
+                      start=server.get("start_ms", 0.0), wait=server.get("wait_ms", 0.0),
+                      load=server.get("load_ms", 0.0), finish=server.get("finish_ms", 0.0))
+        with phases("version"):
+            self.client.set_weight_version(version)
+
+    def _reload(self, version: str, phases: _Phases) -> None:
         if self._tmp is None:
             self._tmp = Path(tempfile.mkdtemp(prefix="grpo_nb_weights_"))
         # safetensors from the state dict: what vLLM's loader reads, without config files.
         from safetensors.torch import save_file
 
-        state = {k: v.detach().to("cpu").contiguous()
-                 for k, v in self.model.state_dict().items()}
-        if getattr(self.model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(self._tmp / "model.safetensors"))
-        self.client.collective_rpc("reload_weights", {"weights_path": str(self._tmp)},
-                                   timeout=self.cfg.timeout_s)
-        self.client.set_weight_version(version)
+        with phases("transfer"):
+            state = {k: v.detach().to("cpu").contiguous()
+                     for k, v in self.model.state_dict().items()}
+            if getattr(self.model.config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)
+            save_file(state, str(self._tmp / "model.safetensors"))
+        with phases("load"):
+            self.client.collective_rpc("reload_weights", {"weights_path": str(self._tmp)},
+                                       timeout=self.cfg.timeout_s)
+        with phases("version"):
+            self.client.set_weight_version(version)
 
     # ── verification ──
 
