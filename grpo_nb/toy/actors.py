@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 import time
 from typing import Any
 
@@ -85,6 +86,14 @@ class Generator(Source):
             self.progressed.clear()
             await self.progressed.wait()
 
+    def _decode_time(self) -> float:
+        """``gen_delay_s``, times a log-normal factor of mean 1 when the tail is on."""
+        sigma = self.cfg.gen_delay_tail
+        if sigma == 0:
+            return self.cfg.gen_delay_s
+        z = float(torch.randn((), generator=self.rng))
+        return self.cfg.gen_delay_s * math.exp(sigma * z - sigma * sigma / 2)
+
     async def _produce(self) -> None:
         made = 0
         while True:
@@ -98,7 +107,7 @@ class Generator(Source):
                 acts = torch.multinomial(logp_all.exp(), self.cfg.group_size, replacement=True,
                                          generator=self.rng)
             # Stands for the time a real generator spends decoding (see ToyConfig.gen_delay_s).
-            await asyncio.sleep(self.cfg.gen_delay_s)
+            await asyncio.sleep(self._decode_time())
             self.out.send(Group(obs, acts, logp_all[acts], self.version, self.name, time.time()))
             self.busy.add("generate", start)
             made += 1
@@ -169,6 +178,8 @@ class Trainer(Sink):
             depth = self.inbox.qsize() if hasattr(self.inbox, "qsize") else None  # not on Monarch
             start = time.time()
             row = self._step(step, groups)
+            if cfg.train_delay_s:
+                await asyncio.sleep(cfg.train_delay_s)  # see ToyConfig.train_delay_s
             send(generators.update_weights, (step + 1, copy.deepcopy(self.policy.state_dict())), {},
                  selection=cfg.selection)
             send(generators.progress, (step + 1,), {}, selection="all")

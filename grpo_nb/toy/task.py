@@ -41,6 +41,13 @@ class ToyConfig:
     # Simulated decoding time per group. Without it the generators would flood the trainer
     # (sampling 8 actions from a tiny MLP takes microseconds, unlike an LLM).
     gen_delay_s: float = 0.02
+    # Heavy tail of that time: each group's delay is gen_delay_s x a log-normal factor of mean 1
+    # and this sigma (0: every group takes gen_delay_s; 1.5: one group in a hundred takes over
+    # 10x the mean, like an LLM answer that runs to max_tokens).
+    gen_delay_tail: float = 0.0
+    # Simulated time of one trainer step beyond its real (tiny) computation: a backward pass on
+    # another device, during which generation goes on.
+    train_delay_s: float = 0.0
     # Flow control. k: a generator waits before its n-th group until the trainer has reached
     # version n * generators // groups_per_step - k (its share of the work may run k steps
     # ahead). None: no pacing at all (the queue grows without bound when generators are faster
@@ -75,6 +82,10 @@ class ToyConfig:
             raise ValueError(f"ToyConfig.kl_kind must be k1, k2 or k3, got {self.kl_kind!r}")
         if self.gen_delay_s < 0:
             raise ValueError(f"ToyConfig.gen_delay_s must be >= 0, got {self.gen_delay_s}")
+        if self.gen_delay_tail < 0:
+            raise ValueError(f"ToyConfig.gen_delay_tail must be >= 0, got {self.gen_delay_tail}")
+        if self.train_delay_s < 0:
+            raise ValueError(f"ToyConfig.train_delay_s must be >= 0, got {self.train_delay_s}")
         if self.max_lag is not None and self.max_lag < 0:
             raise ValueError(f"ToyConfig.max_lag must be None or >= 0, got {self.max_lag}")
         if self.selection not in ("choose", "all"):

@@ -1,0 +1,139 @@
+"""When does asynchrony pay? The toy ring, synchronous vs asynchronous, as generation time
+grows a heavy tail — with a cost model that predicts both, to check against the measurement.
+
+Each step needs ``groups_per_step`` groups from ``K`` generators that decode concurrently (each
+makes ``groups_per_step / K`` of them, one after another), then one trainer step::
+
+    sync   (max_lag=0): generate ─────────┤ train ┤ generate ─────┤ train ┤ ...
+                        the step waits for its SLOWEST generator, then for the trainer
+    async  (max_lag≥1): generate generate generate generate ...
+                                  train ┤  train ┤  train ┤ ...
+                        the trainer eats what is ready; generation never waits for it
+
+    predicted sync step  ≈ E[max over generators of its groups' decode time] + train + c
+    predicted async step ≈ max(E[one generator's decode time per step], train + c)
+
+where ``c`` is the ring's own cost per step (the loss, copying and sending weights, the
+messages), measured once by a run with no simulated decode or train time.
+
+Both use ``selection="all"`` (every generator gets each new weights), so the only staleness
+left in async mode is run-ahead, bounded by ``max_lag``. The speed-up is largest when
+generation and training cost the same and when the tail is long — the setting of real LLM
+RL (a few answers run to ``max_tokens``; generation and training on separate GPU pools).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from grpo_nb.metrics import MetricsRecorder
+from grpo_nb.toy.run import run_ring
+from grpo_nb.toy.task import ToyConfig
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+@dataclass
+class SweepPoint:
+    """One tail setting: measured and predicted seconds per step in each mode."""
+
+    tail: float
+    sync_step_s: float
+    async_step_s: float
+    predicted_sync_step_s: float
+    predicted_async_step_s: float
+    staleness_sync: float
+    staleness_async: float
+
+    @property
+    def speedup(self) -> float:
+        return self.sync_step_s / self.async_step_s
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.predicted_sync_step_s / self.predicted_async_step_s
+
+
+def sweep_config(steps: int = 30, generators: int = 4, gen_delay_s: float = 0.04,
+                 train_delay_s: float = 0.04, seed: int = 0) -> ToyConfig:
+    """Balanced phases (one group per generator per step; decode ≈ train) on the smoke sizes."""
+    return replace(ToyConfig.smoke(), steps=steps, generators=generators,
+                   groups_per_step=generators, gen_delay_s=gen_delay_s,
+                   train_delay_s=train_delay_s, selection="all", seed=seed)
+
+
+def predict(cfg: ToyConfig, overhead_s: float = 0.0, samples: int = 4000,
+            seed: int = 0) -> tuple[float, float]:
+    """(sync, async) seconds per step from the cost model above (Monte Carlo over the
+    log-normal decode times); ``overhead_s`` is ``c``, see :func:`measure_overhead`."""
+    rng = random.Random(seed)
+    sigma, per_gen = cfg.gen_delay_tail, math.ceil(cfg.groups_per_step / cfg.generators)
+
+    def decode() -> float:
+        if sigma == 0:
+            return cfg.gen_delay_s
+        return cfg.gen_delay_s * math.exp(sigma * rng.gauss(0, 1) - sigma * sigma / 2)
+
+    slowest = [max(sum(decode() for _ in range(per_gen)) for _ in range(cfg.generators))
+               for _ in range(samples)]
+    sync = statistics.fmean(slowest) + cfg.train_delay_s + overhead_s
+    return sync, max(per_gen * cfg.gen_delay_s, cfg.train_delay_s + overhead_s)
+
+
+def _step_time(rec: MetricsRecorder) -> float:
+    """Median seconds between consecutive trainer steps, after the first (the ring's start)."""
+    t = [row["t"] for row in rec.rows("step")]
+    gaps = [b - a for a, b in zip(t[1:], t[2:], strict=False)]
+    return statistics.median(gaps) if gaps else math.nan
+
+
+async def measure_overhead(base: ToyConfig) -> float:
+    """``c``: seconds per step of the ring itself (synchronous, no simulated delays)."""
+    rec = MetricsRecorder(None)
+    await run_ring(replace(base, gen_delay_s=0.0, train_delay_s=0.0, gen_delay_tail=0.0,
+                           max_lag=0), rec)
+    return _step_time(rec)
+
+
+async def tail_sweep(base: ToyConfig, tails: tuple[float, ...] = (0.0, 0.75, 1.5),
+                     max_lag: int = 2) -> list[SweepPoint]:
+    """Run ``base`` in both modes at each tail setting; measured against predicted."""
+    overhead = await measure_overhead(base)
+    points = []
+    for tail in tails:
+        cfg = replace(base, gen_delay_tail=tail)
+        measured = {}
+        for mode, lag in (("sync", 0), ("async", max_lag)):
+            rec = MetricsRecorder(None)
+            result = await run_ring(replace(cfg, max_lag=lag), rec)
+            measured[mode] = (_step_time(rec), result.staleness_mean)
+        sync_pred, async_pred = predict(cfg, overhead)
+        points.append(SweepPoint(tail, measured["sync"][0], measured["async"][0], sync_pred,
+                                 async_pred, measured["sync"][1], measured["async"][1]))
+    return points
+
+
+def sweep_figure(points: list[SweepPoint]) -> Figure:
+    """Speed-up (measured and predicted) and the staleness it costs, against the tail."""
+    import matplotlib.pyplot as plt
+
+    tails = [p.tail for p in points]
+    fig, (ax_s, ax_st) = plt.subplots(1, 2, figsize=(10, 3.2))
+    ax_s.plot(tails, [p.speedup for p in points], "o-", label="measured")
+    ax_s.plot(tails, [p.predicted_speedup for p in points], "s--", label="cost model")
+    ax_s.axhline(1.0, color="grey", lw=0.8)
+    ax_s.set(xlabel="tail of generation time (log-normal σ)", ylabel="sync ÷ async step time",
+             title="async speed-up")
+    ax_s.legend()
+    ax_st.plot(tails, [p.staleness_sync for p in points], "o-", label="sync")
+    ax_st.plot(tails, [p.staleness_async for p in points], "o-", label="async")
+    ax_st.set(xlabel="tail of generation time (log-normal σ)", ylabel="mean staleness",
+              title="what it costs: staleness")
+    ax_st.legend()
+    fig.tight_layout()
+    return fig
