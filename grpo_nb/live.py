@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import time
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,35 @@ from matplotlib.figure import Figure
 from grpo_nb.metrics import MetricsRecorder, load_metrics
 
 Rows = Sequence[dict[str, Any]]
+
+# One colour per phase, in every figure and every refresh (the toy timeline and the LLM
+# dashboard): a colour assigned by position among the labels *present* would change as phases
+# enter and leave the plotted window.
+PHASE_COLORS: dict[str, str] = {
+    "generate": "tab:orange",
+    "score": "tab:green",
+    "ref logp": "tab:olive",
+    "pass through": "tab:gray",
+    "train": "tab:purple",
+    "sync": "tab:red",
+    "eval": "tab:blue",
+}
+_SPARE_COLORS = ("tab:brown", "tab:pink", "tab:cyan", "black")
+
+
+def phase_color(label: str) -> str:
+    """The colour of a busy-phase label; an unknown label gets a fixed spare one (by hash)."""
+    if label in PHASE_COLORS:
+        return PHASE_COLORS[label]
+    return _SPARE_COLORS[zlib.crc32(label.encode()) % len(_SPARE_COLORS)]
+
+
+def legend_if_any(ax: Axes, **kwargs: Any) -> None:
+    """``ax.legend(**kwargs)`` only when something on ``ax`` has a label: an empty legend makes
+    matplotlib warn ("No artists with labels found"), a warning box in a notebook."""
+    handles, _ = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(**kwargs)
 
 
 def plot_series(ax: Axes, xs: Sequence[float], ys: Sequence[float], *, label: str = "",
@@ -65,8 +95,10 @@ def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
         t_end = max(r["end"] for r in rows)
         rows = [r for r in rows if r["end"] >= t_end - window_s]
     actors = sorted({r["actor"] for r in rows}, key=_actor_order)
-    labels = sorted({r.get("label", "") for r in rows})
-    colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
+    order = list(PHASE_COLORS)
+    labels = sorted({r.get("label", "") for r in rows},
+                    key=lambda lab: (order.index(lab) if lab in order else len(order), lab))
+    colors = {lab: phase_color(lab) for lab in labels}
     for lane, actor in enumerate(actors):
         for lab in labels:
             spans = [(r["start"], max(r["end"] - r["start"], 1e-4)) for r in rows
@@ -131,7 +163,7 @@ def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_rewa
     ax_r.set_ylim(-0.02, 1.05 * (optimum or 1.0))
     ax_r.set_title("reward")
     ax_r.set_xlabel("trainer step")
-    ax_r.legend(loc="lower right", fontsize=8)
+    legend_if_any(ax_r, loc="lower right", fontsize=8)
     plot_series(ax_kl, xs, [r["kl"] for r in steps], label="KL to reference", color="tab:orange")
     for ax in (ax_r, ax_kl):
         ax.relim()

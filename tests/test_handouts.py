@@ -238,7 +238,7 @@ def test_readme_table_states_the_notebooks_own_times() -> None:
         )
 
 
-@pytest.mark.parametrize("number", ["01", "02", "03"])
+@pytest.mark.parametrize("number", ["01", "02", "03", "04", "05", "06"])
 def test_notebook_opens_with_prerequisites_goals_and_time(number: str) -> None:
     (path,) = [p for p in NOTEBOOKS if p.name.startswith(number)]
     opening = nbformat.read(path, as_version=4).cells[0].source

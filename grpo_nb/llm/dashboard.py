@@ -8,21 +8,23 @@ run looks exactly as it did live::
                      └─ runs/<name>/metrics.jsonl ─► live.load_run(run_dir, figure=llm_figure)
     {"async": rec_a, "sync": rec_s} ─► compare_figure() ─► reward / accuracy vs wall clock
 
-Panel helpers (timeline, staleness histogram, series) and ``load_run`` come from
-:mod:`grpo_nb.live`.
+Panel helpers (timeline, staleness histogram, series), the phase colours (one per phase, the
+same as the toy ring's timeline) and ``load_run`` come from :mod:`grpo_nb.live`.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from grpo_nb.live import load_run, plot_series, plot_staleness, plot_timeline
-from grpo_nb.metrics import MetricsRecorder
+from grpo_nb.live import legend_if_any, load_run, plot_series, plot_staleness, plot_timeline
+from grpo_nb.metrics import MetricsRecorder, load_metrics
 
 
 def _xy(rows: list[dict[str, Any]], key: str, x: str = "t") -> tuple[list, list]:
@@ -44,12 +46,12 @@ def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
     plot_series(ax, *_xy(evals, "accuracy"), label="test accuracy (greedy)", color="tab:green",
                 marker="o")
     ax.set(title="reward and test accuracy", xlabel="time (s)", ylim=(0, 1))
-    ax.legend(fontsize=8, loc="lower right")
+    legend_if_any(ax, fontsize=8, loc="lower right")
     ax = axes["kl"]
     plot_series(ax, *_xy(steps, "clip_frac"), label="clip fraction", color="tab:red")
     plot_series(ax, *_xy(steps, "kl"), label="KL to reference", color="tab:purple")
     ax.set(title="clip fraction and KL", xlabel="time (s)")
-    ax.legend(fontsize=8)
+    legend_if_any(ax, fontsize=8)
     ax = axes["len"]
     plot_series(ax, *_xy(steps, "response_len"), color="tab:orange", smooth=5)
     ax.set(title="mean response length (tokens)", xlabel="time (s)")
@@ -66,7 +68,7 @@ def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
         plot_series(ax, *zip(*gen_tok, strict=True), label="trainer step speed", smooth=10,
                     color="tab:gray")
     ax.set(title="tokens / s", xlabel="time (s)")
-    ax.legend(fontsize=8)
+    legend_if_any(ax, fontsize=8)
     dropped = rec.rows("dropped")
     plot_staleness(axes["stale"], [s for r in steps for s in r.get("staleness", [])],
                    title=f"staleness of trained groups (dropped: {len(dropped)})")
@@ -81,6 +83,21 @@ def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
     return fig
 
 
+def quiet_libraries() -> None:
+    """Silence library progress bars and info logs that would clutter notebook outputs.
+
+    A ring that runs in the notebook's process loads the policy (transformers' "Loading
+    weights" bar) and writes checkpoints ("Writing model shards"); both are progress noise
+    under the dashboard, not information. Errors still show.
+    """
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    disable_progress_bars()
+
+
 class LiveDashboard:
     """The dashboard in a notebook: one display handle updated in place, and a Stop button.
 
@@ -93,6 +110,7 @@ class LiveDashboard:
 
         from IPython.display import display
 
+        quiet_libraries()  # the ring this dashboard watches loads and saves models here
         self.every_s, self.last = every_s, 0.0
         self.stop = asyncio.Event()
         if button:
@@ -137,6 +155,47 @@ def compare_figure(runs: dict[str, MetricsRecorder]) -> Figure:
                     label=label, marker="o")
     a.set(title="train reward vs wall clock", xlabel="seconds of training", ylim=(0, 1))
     b.set(title="test accuracy vs wall clock", xlabel="seconds of training", ylim=(0, 1))
-    a.legend()
-    b.legend()
+    legend_if_any(a)
+    legend_if_any(b)
     return fig
+
+
+# ── recorded runs: the workshop path (notebooks/recorded/<name>/) ──
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def record_run(run_dir: Path | str, dest: Path | str, *, busy_window_s: float = 30.0) -> Path:
+    """Copy a finished run into ``dest`` small enough to ship: every row but the ``busy`` rows
+    older than the last ``busy_window_s`` seconds (the dashboard's timeline shows a window),
+    floats to 4 decimals; plus ``result.json`` and ``config.json``."""
+    rows = load_metrics(run_dir).rows()
+    busy_end = max((r["end"] for r in rows if r["kind"] == "busy"), default=0.0)
+    kept = [{k: _rounded(v) for k, v in r.items()} for r in rows
+            if r["kind"] != "busy" or r["end"] >= busy_end - busy_window_s]
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    for name in ("result.json", "config.json"):
+        data = json.loads((Path(run_dir) / name).read_text())
+        data.pop("run_dir", None)  # a path on the recording machine
+        (dest / name).write_text(json.dumps(data, indent=1) + "\n")
+    return dest
+
+
+def recorded_run(folder: Path | str) -> tuple[Any, MetricsRecorder]:
+    """``(RunResult, metrics)`` of a run saved by :func:`record_run` (or any run folder):
+    what ``train()`` would have returned, re-plotted by the same figures."""
+    from grpo_nb.llm.summary import RunResult
+
+    data = json.loads((Path(folder) / "result.json").read_text())
+    known = {f.name for f in fields(RunResult)}
+    result = RunResult(**{k: v for k, v in data.items() if k in known})
+    result.run_dir = str(folder)
+    return result, load_metrics(folder)
