@@ -187,7 +187,7 @@ def format_report(report: Report) -> str:
     lines += ["", f"  device         {report.device}", f"  free memory    {report.free_gib:.1f} GiB",
               f"  smoke mode     {smoke_mode()}"]
     lines += [f"  {name:<14} {path}" for name, path in report.folders.items()]
-    lines.append("")
+    lines += [partition_line(), ""]
     for key, needs in NOTEBOOK_NEEDS.items():
         problems = report.verdicts[key]
         tag = "ok" if not problems else ("optional, not ready" if needs.optional else "NOT READY")
@@ -195,6 +195,16 @@ def format_report(report: Report) -> str:
         lines += [f"      - {p}" for p in problems]
     lines += [f"\n  warning: {w}" for w in report.warnings]
     return "\n".join(lines)
+
+
+def partition_line() -> str:
+    """Which cores the vLLM server and the trainer get (:mod:`grpo_nb.partition`)."""
+    from grpo_nb import partition
+
+    try:
+        return f"  cpu partition  {partition.plan().describe()}"
+    except ValueError as err:  # a bad GRPO_NB_SERVER_CPUS: say so, the doctor still runs
+        return f"  cpu partition  invalid: {err}"
 
 
 def orphan_section(reap: bool) -> str:

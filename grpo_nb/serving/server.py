@@ -7,7 +7,8 @@ notebook cell finished, raised, or was interrupted::
     ServerConfig ──► VLLMServer(cfg)  (registered before anything is spawned)
                           │ .start() / await .start_async() / with / async with
                           ├─spawn─► python -m vllm.entrypoints.openai.api_server
-                          │           (own process group, marked, log → runs/vllm/*.log)
+                          │           (own process group, marked, log → runs/vllm/*.log,
+                          │            pinned to ServerConfig.cpus: grpo_nb.partition)
                           ├─spawn─► watchdog: owner died (even SIGKILL) → ends the tree
                           ├── polls GET /health; died / timed out → ServerStartError(log tail)
                           ▼
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_nb.config import runs_dir
+from grpo_nb.partition import exec_pinned
 from grpo_nb.serving.net import free_port, is_loopback
 from grpo_nb.serving.processes import MARKER_ENV, end_processes, marked_processes, start_watchdog
 from grpo_nb.serving.server_config import ServerConfig, env_api_key
@@ -111,6 +113,7 @@ class VLLMServer:
         self.server_id = uuid.uuid4().hex[:12] if _owned else ""
         self.log_path: Path | None = None
         self.startup_seconds: float | None = None
+        self.cpus: tuple[int, ...] | None = None  # the cores of the tree (None: unpinned)
         self._owned = _owned
         self._stopped = False
         self._lock = threading.RLock()  # spawn and stop never interleave (start thread vs stop)
@@ -182,6 +185,9 @@ class VLLMServer:
             log_dir.mkdir(parents=True, exist_ok=True)
             self.log_path = log_dir / f"server-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
             cmd = self.cfg.command(self.port, gpu)
+            self.cpus = self.cfg.resolve_cpus(gpu)
+            if self.cpus:  # pinned before exec: every process and thread of the tree inherits
+                cmd = exec_pinned(self.cpus, cmd)
             _LIVE.add(self)
             if self.cfg.name:
                 _BY_NAME[self.cfg.name] = self
@@ -190,7 +196,8 @@ class VLLMServer:
                 log.flush()
                 self.proc = subprocess.Popen(
                     cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=self.cfg.environment(self.server_id, gpu), start_new_session=True)
+                    env=self.cfg.environment(self.server_id, gpu, self.cpus),
+                    start_new_session=True)
             STARTED_IDS.append(self.server_id)
             self.watchdog = start_watchdog(self.proc.pid, self.server_id)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_nb.config import cache_dir
+from grpo_nb.partition import check_spec, parse_cpus, plan, server_env
 from grpo_nb.serving.net import is_loopback
 from grpo_nb.serving.processes import MARKER_ENV, OWNER_ENV
 
@@ -54,6 +55,9 @@ class ServerConfig:
         extra_args / env: appended to the command line / the server's environment.
         dev_mode: ``VLLM_SERVER_DEV_MODE=1`` (pause / weight-update routes; loopback only).
         worker_extension_cls / weight_transfer_config: for weight sync (notebook 05).
+        cpus: the cores of the whole server tree (see :mod:`grpo_nb.partition`): ``"auto"``
+            (the plan's: on a CPU-only machine with ≥ 2 cores the last core, else unpinned),
+            ``"off"``, or core ids (``[1]``, ``"2-3"``). Resolved at start.
     """
 
     model: str = ""
@@ -73,6 +77,7 @@ class ServerConfig:
     dev_mode: bool = True
     worker_extension_cls: str | None = None
     weight_transfer_config: dict[str, Any] | None = None
+    cpus: str | list[int] = "auto"
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -98,6 +103,7 @@ class ServerConfig:
             if any(a.split("=")[0] == flag for a in self.extra_args):
                 raise ValueError(f"ServerConfig.extra_args has {flag}: set ServerConfig."
                                  f"{flag[2:].replace('-', '_')} instead (it is checked there)")
+        check_spec(self.cpus, "ServerConfig.cpus")
         if "VLLM_API_KEY" in self.env:
             raise ValueError("ServerConfig.env has VLLM_API_KEY: set ServerConfig.api_key")
         self._check_exposure()
@@ -144,7 +150,19 @@ class ServerConfig:
             cmd += ["--weight-transfer-config", json.dumps(self.weight_transfer_config)]
         return cmd + list(self.extra_args)
 
-    def environment(self, server_id: str, gpu: bool) -> dict[str, str]:
+    def resolve_cpus(self, gpu: bool) -> tuple[int, ...] | None:
+        """The cores to pin the server tree to, or ``None`` (unpinned)."""
+        if self.cpus == "off":
+            return None
+        if self.cpus == "auto":
+            return plan(gpu=gpu).server_cpus
+        cpus = parse_cpus(self.cpus, "ServerConfig.cpus") if isinstance(self.cpus, str) \
+            else tuple(self.cpus)
+        plan(cpus=None, server_cpus=cpus, gpu=gpu)  # raises if not ours or leaves no core
+        return cpus
+
+    def environment(self, server_id: str, gpu: bool,
+                    cpus: tuple[int, ...] | None = None) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would silently override kv_cache_bytes
         env.pop("VLLM_API_KEY", None)  # the server's key is ours to set, not inherited
@@ -153,6 +171,8 @@ class ServerConfig:
                     "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"})
         if not gpu:
             env["VLLM_TARGET_DEVICE"] = "cpu"
+            if cpus:
+                env.update(server_env(cpus))
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         env.update(self.env)

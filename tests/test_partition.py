@@ -1,0 +1,113 @@
+"""The CPU partition: the plan, pinning every thread of the trainer's process, and a started
+vLLM server whose whole process tree (every process, every thread) runs on the planned cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from grpo_nb import partition
+from grpo_nb.partition import Plan, format_cpus, parse_cpus, plan
+
+
+def test_default_plan_puts_the_server_on_the_last_core_off_on_gpu_or_one_core(monkeypatch):
+    monkeypatch.delenv(partition.ENV, raising=False)
+    assert plan(2, gpu=False) == Plan((1,), (0,), 1, "auto: the last of 2 cores")
+    p = plan([0, 1, 2, 3], gpu=False)
+    assert (p.server_cpus, p.trainer_cpus, p.trainer_threads) == ((3,), (0, 1, 2), 3)
+    assert not plan(4, gpu=True).active
+    assert not plan(1, gpu=False).active
+    assert "core(s) 3" in p.describe() and plan(1, gpu=False).describe().startswith("off")
+
+
+def test_plan_is_configurable_by_argument_and_environment(monkeypatch):
+    p = plan(4, server_cpus="2-3", gpu=False)
+    assert (p.server_cpus, p.trainer_cpus, p.trainer_threads) == ((2, 3), (0, 1), 2)
+    assert plan(4, server_cpus=[0], gpu=True).server_cpus == (0,)  # explicit wins on GPU too
+    monkeypatch.setenv(partition.ENV, "off")
+    assert not plan(4, gpu=False).active
+    monkeypatch.setenv(partition.ENV, "0")
+    assert plan(2, gpu=False).trainer_cpus == (1,)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("x", "server_cpus='x'"), ("0-1", "takes every core"), ("7", "not among"),
+    ([-1], "core ids ≥ 0")])
+def test_bad_server_cpus_name_the_field(spec, message):
+    with pytest.raises(ValueError, match=message):
+        plan(2, server_cpus=spec, gpu=False)
+
+
+def test_bad_server_config_cpus_names_the_field():
+    from grpo_nb.serving.server_config import ServerConfig
+
+    with pytest.raises(ValueError, match="ServerConfig.cpus"):
+        ServerConfig(model="m", cpus="one")
+
+
+def test_cpu_lists_round_trip():
+    assert parse_cpus("0,2-3,5") == (0, 2, 3, 5)
+    assert format_cpus((5, 0, 2, 3)) == "0,2-3,5"
+
+
+def test_apply_pins_every_thread_and_torch_then_restores():
+    """In a child: threads that exist before ``pinned()`` must move too (a plain
+    ``sched_setaffinity(0)`` moves only the caller), and all must come back after."""
+    code = textwrap.dedent("""
+        import json, os, threading, torch
+        from grpo_nb import partition
+        torch.set_num_threads(2)
+        stop = threading.Event()
+        t = threading.Thread(target=stop.wait); t.start()
+        mine = partition.available_cpus()
+        p = partition.Plan(mine[-1:], mine[:1], 1, "test")
+        def masks():
+            return {partition.allowed_list("self", tid) for tid in os.listdir("/proc/self/task")}
+        with partition.pinned(p):
+            inside, threads = masks(), torch.get_num_threads()
+        after = masks()
+        stop.set(); t.join()
+        print(json.dumps([sorted(inside), threads, sorted(after), torch.get_num_threads()]))
+    """)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    mine = list(partition.available_cpus())
+    assert json.loads(out.splitlines()[-1]) == [[mine[:1]], 1, [mine], 2]
+
+
+@pytest.mark.vllm
+def test_started_server_tree_runs_on_the_planned_cores(tiny_model_dir, tmp_path):
+    """Every process and thread of a started server has the planned mask (Cpus_allowed_list),
+    while this test process keeps all its cores; the server answers."""
+    pytest.importorskip("vllm")
+    from grpo_nb.serving.server import ServerConfig, VLLMServer
+
+    mine = partition.available_cpus()
+    if len(mine) < 2:
+        pytest.skip("needs 2 cores")
+    want = (mine[-1],)
+    cfg = ServerConfig.smoke(tiny_model_dir)
+    cfg.cpus, cfg.log_dir = list(want), tmp_path
+    server = VLLMServer(cfg)
+    try:
+        server.start(progress=False)
+        assert server.cpus == want and server.healthy()
+        pids = server.pids()
+        assert len(pids) >= 2, f"expected the API server and its EngineCore, got {pids}"
+        masks = {(pid, tid): partition.allowed_list(pid, tid)
+                 for pid in pids for tid in os.listdir(f"/proc/{pid}/task")}
+        wrong = {k: v for k, v in masks.items() if v != want}
+        assert not wrong, f"threads off the planned cores {want}: {wrong}"
+        with open(f"/proc/{server.proc.pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+        assert f"VLLM_CPU_OMP_THREADS_BIND={format_cpus(want)}".encode() in env
+    finally:
+        server.stop()
+    assert partition.available_cpus() == mine
