@@ -65,10 +65,10 @@ check-notebooks: setup
 	  { echo "notebooks carry outputs: run '$(BIN)/nbstripout --keep-id notebooks/*.ipynb'"; exit 1; }
 
 pytest: setup system-deps
-	GRPO_NB_SMOKE=1 $(BIN)/pytest -q tests
+	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --durations=20 tests
 
 nbtest: setup
-	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=660 --reruns 1 --durations=0 -n $(NB_WORKERS) --dist loadfile notebooks
+	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=1200 --reruns 1 --durations=0 -n $(NB_WORKERS) --dist loadfile notebooks
 
 # Hunt the notebook hang: run the suite RUNS times under a watchdog that, when nothing makes
 # progress for STALL_S seconds, saves every Python stack (py-spy) to runs/hang/ and kills it.

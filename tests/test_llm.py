@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,10 +38,26 @@ from grpo_nb.serving.rollouts import Group, Rollout
     ({"loss_agg": "sum"}, "loss_agg"),
     ({"steps": 0}, "steps"),
     ({"lr": 0.0}, "lr"),
+    # off-policy: combinations that could never admit a group, or that would do nothing
+    ({"sync_every": 4, "max_staleness": 2}, "sync_every=4 > max_staleness"),
+    ({"tis_cap": 2.0}, "tis_cap=2.0 with ratio_against='sampler' does nothing"),
+    ({"ratio_against": "trainer"}, "ratio_against='trainer' needs tis_cap"),
+    ({"ratio_against": "trainer", "tis_cap": 0.0}, "tis_cap"),
+    ({"clip_low": 1.0}, "clip_low"),
+    ({"clip_high": -0.1}, "clip_high"),
+    ({"dual_clip": 1.1}, "dual_clip"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm"),
+    ({"error_budget": -1}, "error_budget"),
 ])
 def test_bad_config_names_the_field(changes: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=re.escape(field)):
         LLMConfig(**changes)
+
+
+def test_staleness_at_the_limit_of_the_sync_interval_is_accepted() -> None:
+    """sync_every = max_staleness + 1: the freshest group just before a sync is admissible."""
+    assert LLMConfig(sync_every=3, max_staleness=2).sync_every == 3
+    assert LLMConfig(ratio_against="trainer", tis_cap=2.0).tis_cap == 2.0
 
 
 def test_smoke_preset_is_smaller_and_valid() -> None:
@@ -77,7 +95,7 @@ def test_trainer_step_moves_probability_towards_rewarded_completion(random_model
 
     model, tok = load_hf(random_model_dir)
     cfg = LLMConfig(prompts_per_step=2, group_size=2, grad_accum=2, lr=1e-2,
-                    ratio_against="trainer")
+                    ratio_against="trainer", tis_cap=2.0)
     pt = PolicyTrainer(model, tok, cfg)
     good, bad = [6, 7, 1], [8, 9, 1]
     groups = [_group([3, 4, 5], [good, bad], [1.0, 0.0]), _group([3, 4, 5], [bad, good],
@@ -100,7 +118,7 @@ def test_checkpoint_round_trip(random_model_dir, tmp_path: Path) -> None:
     from grpo_nb.tiny_model import load_hf
 
     model, tok = load_hf(random_model_dir)
-    cfg = LLMConfig(prompts_per_step=1, group_size=2, ratio_against="trainer")
+    cfg = LLMConfig(prompts_per_step=1, group_size=2)
     pt = PolicyTrainer(model, tok, cfg)
     pt.step([_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])])
     pt.save(tmp_path / "ckpt", {"dropped": 3})
@@ -110,6 +128,91 @@ def test_checkpoint_round_trip(random_model_dir, tmp_path: Path) -> None:
     for a, b in zip(model.parameters(), other.model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert other.opt.state_dict()["state"].keys() == pt.opt.state_dict()["state"].keys()
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_non_finite_loss_skips_the_step_and_leaves_weights_alone(random_model_dir,
+                                                                  monkeypatch) -> None:
+    from grpo_nb.tiny_model import load_hf
+
+    model, tok = load_hf(random_model_dir)
+    pt = PolicyTrainer(model, tok, LLMConfig(prompts_per_step=1, group_size=2, lr=1e-2))
+    groups = [_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])]
+    before = _params(model)
+    real = pt._micro_loss
+    monkeypatch.setattr(pt, "_micro_loss", lambda b: (real(b)[0] * math.nan, {}))
+    row = pt.step(groups)
+    assert row["skipped"] == "loss=nan" and row["skipped_steps"] == 1 and pt.step_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not pt.opt.state  # the optimiser never stepped (no moments from a NaN gradient)
+    monkeypatch.setattr(pt, "_micro_loss", real)
+    assert "skipped" not in pt.step(groups) and pt.step_count == 1
+
+
+def test_non_finite_gradient_skips_the_step(random_model_dir, monkeypatch) -> None:
+    from grpo_nb.tiny_model import load_hf
+
+    model, tok = load_hf(random_model_dir)
+    pt = PolicyTrainer(model, tok, LLMConfig(prompts_per_step=1, group_size=2))
+    before = _params(model)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(math.inf))
+    row = pt.step([_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])])
+    assert row["skipped"] == "grad_norm=inf" and pt.step_count == 0 and pt.skipped == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-sum-norm", "seq-mean-token-mean",
+                                      "token-mean"])
+def test_gradient_does_not_depend_on_grad_accum(random_model_dir, loss_agg: str) -> None:
+    """Micro-batches of different widths and lengths: the summed gradient is the batch's."""
+    from grpo_nb.tiny_model import load_hf
+
+    groups = [_group([3, 4, 5], [[6, 7, 8, 9, 1], [8, 1]], [1.0, 0.0]),
+              _group([3, 4], [[6, 1], [9, 1]], [0.0, 1.0])]
+    grads = []
+    for accum in (1, 2):
+        model, tok = load_hf(random_model_dir)
+        cfg = LLMConfig(prompts_per_step=2, group_size=2, grad_accum=accum, loss_agg=loss_agg,
+                        max_grad_norm=1e9, max_tokens=8)
+        PolicyTrainer(model, tok, cfg).step(groups)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()
+                                if p.grad is not None]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+def _crash(*args, **kwargs) -> None:
+    raise RuntimeError("crash")
+
+
+def test_checkpoint_survives_a_crash_while_being_replaced(random_model_dir, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """A crash while writing, or just before the switch: the previous one still loads."""
+    from grpo_nb.llm import checkpoint
+    from grpo_nb.tiny_model import load_hf
+
+    model, tok = load_hf(random_model_dir)
+    cfg = LLMConfig(prompts_per_step=1, group_size=2)
+    pt = PolicyTrainer(model, tok, cfg)
+    pt.save(tmp_path / "checkpoint", {"mark": "first"})
+    pt.step([_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])])
+    for where in ("write", "switch"):
+        with monkeypatch.context() as m:
+            if where == "write":  # the optimizer state is written after the model
+                m.setattr(torch, "save", _crash)
+            else:  # everything written and renamed, the link not yet switched
+                m.setattr(checkpoint.os, "replace", _crash)
+            with pytest.raises(RuntimeError, match="crash"):
+                pt.save(tmp_path / "checkpoint", {"mark": "second"})
+        other = PolicyTrainer(load_hf(random_model_dir)[0], tok, cfg)
+        assert other.load(tmp_path / "checkpoint")["mark"] == "first" and other.step_count == 0
+    pt.save(tmp_path / "checkpoint", {"mark": "third"})  # and a later save cleans up
+    assert PolicyTrainer(load_hf(random_model_dir)[0], tok, cfg).load(
+        tmp_path / "checkpoint")["mark"] == "third"
+    assert len(list(tmp_path.glob("ckpt-*"))) == 1
 
 
 # ── the controller's watchers, no server ──
@@ -174,6 +277,28 @@ def test_error_explained_by_a_server_that_dies_within_the_grace() -> None:
         proc.wait()
 
 
+def test_time_budget_is_honoured_while_waiting_for_admission() -> None:
+    """A trainer waiting for groups (say, all dropped as stale) still stops at the budget,
+    and keeps the pending receive for the shutdown (nothing it brings is lost)."""
+    from grpo_nb.actors import Channel
+    from grpo_nb.llm.actors import Trainer
+
+    async def main() -> float:
+        trainer = object.__new__(Trainer)  # only the admission state, no model or server
+        port, trainer.inbox = Channel.open()
+        trainer.stopping, trainer.next_msg = asyncio.Event(), None
+        trainer.deadline = time.time() + 0.3
+        start = time.monotonic()
+        got = await asyncio.wait_for(trainer._receive_unless_stopping(), 5.0)
+        waited = time.monotonic() - start
+        assert got is None and trainer.next_msg is not None
+        port.send("late group")
+        assert await trainer.next_msg == "late group"
+        return waited
+
+    assert 0.25 < asyncio.run(main()) < 2.0
+
+
 def test_stop_must_be_an_asyncio_event() -> None:
     import threading
 
@@ -208,15 +333,57 @@ SMALL = {"steps": 4, "generators": 2, "prompts_per_step": 4, "group_size": 4,
 
 
 @pytest.fixture(scope="module")
-def ring_server(random_model_dir: Path) -> Iterator[object]:
+def ring_server(tiny_model_dir: Path) -> Iterator[object]:
+    """The SFT'd tiny model (cached): its groups have mixed rewards, so steps have a real
+    gradient and every sync pushes different weights (a random model's rewards are all 0)."""
     pytest.importorskip("vllm")
     from grpo_nb.llm.run import start_server
 
-    server = start_server(str(random_model_dir), LLMConfig(), progress=False)
+    server = start_server(str(tiny_model_dir), LLMConfig(), progress=False)
     try:
         yield server
     finally:
         server.stop()
+
+
+LOGPROB_ATOL = 1e-3  # fp32 on both sides: measured max |Δ| ≈ 1e-5 at T = 0.7 (see report)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sampler_and_trainer_logprobs_agree_at_temperature_0_7(ring_server,
+                                                               tiny_model_dir) -> None:
+    """First user of the server (base weights). The PPO ratio divides the trainer's log-prob
+    at T by the sampler's: both must be post-temperature, or fresh samples have ratio ≠ 1."""
+    from grpo_nb.llm.trainer import sequence_logprobs
+    from grpo_nb.serving.client import CompletionsClient
+    from grpo_nb.tiny_model import load_hf
+
+    model, tok = load_hf(tiny_model_dir)
+    prompts = [tok.encode(f"{a}+{b}=", add_special_tokens=False)
+               for a, b in [(12, 345), (7, 80), (409, 3), (55, 55)]]
+
+    async def sample() -> list[tuple[list[int], list[int], list[float]]]:
+        async with CompletionsClient.for_server(ring_server) as client:
+            outs = await asyncio.gather(*[client.complete(p, max_tokens=8, temperature=0.7, n=4,
+                                                          seed=i)
+                                          for i, p in enumerate(prompts)])
+        return [(p, c.token_ids, c.logprobs) for p, cs in zip(prompts, outs, strict=True)
+                for c in cs]
+
+    diffs, raw = [], []
+    for prompt, ids, sampler in asyncio.run(sample()):
+        x = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            at = {t: sequence_logprobs(model, x, torch.ones_like(x), t)[0, len(prompt) - 1:]
+                  for t in (0.7, 1.0)}
+        diffs.append(at[0.7] - torch.tensor(sampler))
+        raw.append(at[1.0] - torch.tensor(sampler))
+    d, r = torch.cat(diffs), torch.cat(raw)
+    assert d.numel() >= 32
+    assert d.abs().max() < LOGPROB_ATOL, f"max |Δ| = {d.abs().max():.2e}"
+    assert abs(float(d.exp().mean()) - 1.0) < 0.02  # the ratio on a fresh batch
+    assert r.abs().mean() > 10 * LOGPROB_ATOL  # T matters: the check can tell them apart
 
 
 def _overlaps(rec, a: str, b: str) -> float:
@@ -230,18 +397,25 @@ def _overlaps(rec, a: str, b: str) -> float:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_async_and_sync_modes_run_verify_and_schedule_differently(
-        ring_server, random_model_dir, tmp_path: Path, monkeypatch) -> None:
+        ring_server, tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
     from grpo_nb.llm.run import train
     from grpo_nb.metrics import load_metrics
+    from grpo_nb.tiny_model import load_hf
+    from grpo_nb.weight_sync import WeightSyncer
 
     monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
-    results = {}
+    base = load_hf(tiny_model_dir)[0]
+    results, moved = {}, {}
     for mode in ("async", "sync"):
         cfg = LLMConfig(mode=mode, **SMALL)
-        results[mode] = asyncio.run(train(cfg, model_dir=random_model_dir, name=mode,
+        results[mode] = asyncio.run(train(cfg, model_dir=tiny_model_dir, name=mode,
                                           server=ring_server, smoke=True, progress=False))
+        with WeightSyncer(ring_server.url, base) as probe:  # served vs base model log-probs
+            moved[mode] = probe.weight_gap()
     for mode, r in results.items():
         assert r.steps == 4 and r.weights_verified, (mode, r)
+        assert moved[mode] > 1e-3, (mode, moved)  # the syncs pushed weights that changed
+        assert all(row["grad_norm"] > 0 for row in load_metrics(tmp_path / mode).rows("step"))
         assert 0.0 <= r.accuracy_after <= 1.0 and r.sync_ms_mean > 0
         rec = load_metrics(tmp_path / mode)
         assert [row["step"] for row in rec.rows("step")] == [1, 2, 3, 4]
@@ -255,7 +429,7 @@ def test_async_and_sync_modes_run_verify_and_schedule_differently(
     from grpo_nb.llm.run import train as train_again
 
     cfg = LLMConfig(mode="async", **{**SMALL, "steps": 6})
-    r = asyncio.run(train_again(cfg, model_dir=random_model_dir, resume=tmp_path / "async",
+    r = asyncio.run(train_again(cfg, model_dir=tiny_model_dir, resume=tmp_path / "async",
                                 server=ring_server, smoke=True, progress=False))
     steps = [row["step"] for row in load_metrics(tmp_path / "async").rows("step")]
     assert steps == [1, 2, 3, 4, 5, 6] and r.weights_verified
@@ -265,7 +439,7 @@ def test_async_and_sync_modes_run_verify_and_schedule_differently(
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_stop_event_ends_the_run_early_on_verified_weights(ring_server, random_model_dir,
+def test_stop_event_ends_the_run_early_on_verified_weights(ring_server, tiny_model_dir,
                                                           tmp_path, monkeypatch) -> None:
     """The notebook's Stop button: the trainer finishes its step, drains, syncs, checkpoints."""
     from grpo_nb.llm.run import train
@@ -279,7 +453,7 @@ def test_stop_event_ends_the_run_early_on_verified_weights(ring_server, random_m
             if kind == "step":
                 stop.set()
 
-        return await train(LLMConfig(**{**SMALL, "steps": 50}), model_dir=random_model_dir,
+        return await train(LLMConfig(**{**SMALL, "steps": 50}), model_dir=tiny_model_dir,
                            name="stop", server=ring_server, on_event=on_event, stop=stop,
                            smoke=True, progress=False)
 
@@ -291,7 +465,7 @@ def test_stop_event_ends_the_run_early_on_verified_weights(ring_server, random_m
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_killing_the_server_ends_the_run_with_a_clear_error(ring_server, random_model_dir,
+def test_killing_the_server_ends_the_run_with_a_clear_error(ring_server, tiny_model_dir,
                                                              tmp_path, monkeypatch) -> None:
     """Runs after the ring test in this module: it kills the module's server."""
     from grpo_nb.llm.run import RunAborted, train
@@ -308,7 +482,7 @@ def test_killing_the_server_ends_the_run_with_a_clear_error(ring_server, random_
 
     cfg = LLMConfig(**{**SMALL, "steps": 50})
     with pytest.raises(RunAborted, match="vLLM server"):
-        asyncio.run(train(cfg, model_dir=random_model_dir, name="kill", server=ring_server,
+        asyncio.run(train(cfg, model_dir=tiny_model_dir, name="kill", server=ring_server,
                           on_event=on_event, smoke=True, progress=False))
     assert killed_at and time.monotonic() - killed_at[0] < 30
 
@@ -318,7 +492,8 @@ def test_killing_the_server_ends_the_run_with_a_clear_error(ring_server, random_
 def test_cli_prints_a_json_summary_last_and_leaves_no_server(random_model_dir, tmp_path) -> None:
     env = {**os.environ, "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1"}
     proc = subprocess.run([sys.executable, "-m", "grpo_nb", "train", "--smoke", "--steps", "3",
-                           "--model", str(random_model_dir), "--name", "cli", "--mode", "sync"],
+                           "--model", str(random_model_dir), "--name", "cli", "--mode", "sync",
+                           "--set", "temperature=0.7"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -326,6 +501,9 @@ def test_cli_prints_a_json_summary_last_and_leaves_no_server(random_model_dir, t
                 "stale_dropped", "weights_verified"):
         assert key in summary
     assert summary["steps"] == 3 and summary["weights_verified"] is True
+    # sync mode trains on fresh samples: at T = 0.7 too, the PPO ratio is 1 (issue 12)
+    assert abs(summary["ratio_mean"] - 1.0) < 0.02, summary
+    assert summary["clip_frac_mean"] < 0.01 and summary["skipped_steps"] == 0, summary
     assert (tmp_path / "cli" / "dashboard.png").is_file()
     leftover = subprocess.run(["pgrep", "-f", f"vllm.*{random_model_dir}"], capture_output=True,
                               text=True).stdout.split()

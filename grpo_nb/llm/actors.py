@@ -19,7 +19,7 @@ worth only after the weights of the previous step reached the server, so the two
 Nothing else differs between the modes. The trainer drops a group older than
 ``max_staleness`` versions (counted) and issues a new credit in its place.
 
-Shutdown is the skeleton's: the trainer drains the generators (each sends ``None``), the
+The Trainer is in :mod:`grpo_nb.llm.learner`. Shutdown is the skeleton's: the trainer drains the generators (each sends ``None``), the
 scorer and reference forward one ``None``, the trainer discards what is still queued.
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,9 +36,10 @@ from grpo_nb import grpo, tasks
 from grpo_nb.actors import current_rank, endpoint
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Prompt, RingSpec
-from grpo_nb.llm.trainer import PolicyTrainer, make_batch, sequence_logprobs
-from grpo_nb.ring import Relay, Sink, Source, cancel_task
-from grpo_nb.serving.client import ClientConfig, CompletionsClient
+from grpo_nb.llm.learner import Trainer  # the consuming end, in a module of its own
+from grpo_nb.llm.trainer import make_batch, sequence_logprobs
+from grpo_nb.ring import Relay, RingError, Source
+from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient
 from grpo_nb.serving.rollouts import Group, Rollout
 
 __all__ = ["Generator", "Reference", "RingSpec", "Scorer", "Trainer", "share"]
@@ -51,7 +51,14 @@ def share(total: int, rank: int, k: int) -> int:
 
 
 class Generator(Source):
-    """Samples groups from the vLLM server, as many as the trainer's credits allow."""
+    """Samples groups from the vLLM server, as many as the trainer's credits allow.
+
+    Only complete groups leave it: a group with a sample cut short by a sync
+    (``pause_mode="abort"``) or a request that failed (a 4xx such as a prompt over the
+    context length, a 5xx, a timeout) is dropped, counted (``"aborted"`` /
+    ``"request_failed"`` rows) and sampled again; more than ``error_budget`` failed requests
+    end the run with the last one's message.
+    """
 
     quiet_cancel = True  # cancelled mid-request at drain: the HTTP client may complain
 
@@ -61,6 +68,7 @@ class Generator(Source):
         self.attach(metrics, f"gen{self.rank}")
         self.rng = random.Random(cfg.seed * 1009 + self.rank)
         self.version = self.allowed = self.made = 0
+        self.failed = self.aborted = 0  # requests that failed / groups cut short by a sync
         self.changed = asyncio.Event()
 
     @endpoint
@@ -77,7 +85,8 @@ class Generator(Source):
     async def _produce(self) -> None:
         slots = max(1, self.cfg.max_inflight // self.cfg.group_size)
         client = CompletionsClient(self.spec.server_url + "/v1", self.spec.model_name,
-                                   ClientConfig(max_in_flight=slots, timeout_s=60.0, retries=2))
+                                   ClientConfig(max_in_flight=slots, timeout_s=60.0, retries=2),
+                                   api_key=self.spec.api_key)
         running: set[asyncio.Task] = set()
         try:
             while True:
@@ -91,7 +100,7 @@ class Generator(Source):
                         waiter.cancel()
                     for t in done & running:
                         running.discard(t)
-                        t.result()  # a failed request ends the generator (and the run)
+                        t.result()  # over the error budget: ends the generator (and the run)
                 self.made += 1
                 running.add(asyncio.create_task(self._one_group(client, self.made)))
         finally:
@@ -101,11 +110,27 @@ class Generator(Source):
             await client.close()
 
     async def _one_group(self, client: CompletionsClient, group_id: int) -> None:
-        prompt: Prompt = self.rng.choice(self.spec.prompts)
-        version, start = self.version, time.time()
-        # One request with n = group_size: the server shares the prompt's prefill.
-        outs = await client.complete(prompt.ids, max_tokens=self.cfg.max_tokens,
-                                     temperature=self.cfg.temperature, n=self.cfg.group_size)
+        """Sample one complete group, resubmitting (another prompt) after an abort or a
+        failed request; each is counted and reported, never passed on to be scored."""
+        while True:
+            prompt: Prompt = self.rng.choice(self.spec.prompts)
+            version, start = self.version, time.time()
+            try:
+                # One request with n = group_size: the server shares the prompt's prefill.
+                outs = await client.complete(prompt.ids, max_tokens=self.cfg.max_tokens,
+                                             temperature=self.cfg.temperature,
+                                             n=self.cfg.group_size)
+            except CompletionError as err:
+                self._failed(err, client)
+                await asyncio.sleep(0.2)  # a struggling server: do not hammer it
+                continue
+            if any(o.finish_reason == "abort" for o in outs):
+                # Cut short by a sync with pause_mode="abort": a partial sample is not a
+                # sample of the policy, and its reward would be wrong. Expected, not a fault.
+                self.aborted += 1
+                self.report("aborted", actor=self.name, group=group_id, total=self.aborted)
+                continue
+            break
         rollouts = [Rollout(list(prompt.ids), o.token_ids, o.logprobs, o.text, o.finish_reason,
                             policy_version=version, group_id=group_id, latency_s=o.latency_s)
                     for o in outs]
@@ -113,23 +138,38 @@ class Generator(Source):
                             version, t_submit=start, t_done=time.time(), source=self.name))
         self.busy.add("generate", start)
 
+    def _failed(self, err: CompletionError, client: CompletionsClient) -> None:
+        """Count a failed request; past ``error_budget`` of them the generator gives up."""
+        self.failed += 1
+        self.report("request_failed", actor=self.name, total=self.failed, status=err.status,
+                    error=str(err)[:300])
+        if self.failed > self.cfg.error_budget:
+            raise RingError(
+                f"{self.name}: {self.failed} failed requests (> LLMConfig.error_budget="
+                f"{self.cfg.error_budget}); last: {err} [client counts: "
+                f"4xx={client.stats.http_4xx} 5xx={client.stats.http_5xx} "
+                f"timeouts={client.stats.timeouts} "
+                f"connection={client.stats.connection_errors}]") from err
+
 
 class Scorer(Relay):
-    """Rewards every completion, then turns a group's rewards into advantages."""
+    """Rewards every completion with ``cfg.reward``, then turns a group's rewards into
+    advantages. ``"auto"`` is the task's answer check (``spec.reward_default``)."""
 
     name = "scorer"
     label = "score"
 
-    def __init__(self, cfg: LLMConfig, metrics: Any) -> None:
+    def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
         self.cfg = cfg
         self.upstream = cfg.generators  # each generator ends with one None
+        self.reward = tasks.make_reward(cfg.reward, default=spec.reward_default)
         self.attach(metrics)
         self.open_inlet()
 
     async def process(self, group: Group) -> Group:
         for r in group.rollouts:
-            # Exact answer *then* end-of-sequence: a completion cut at max_tokens scores 0.
-            r.reward = (tasks.reward(r.completion_text, group.answer)
+            # The answer *then* end-of-sequence: a completion cut at max_tokens scores 0.
+            r.reward = (float(self.reward(r.completion_text, group.answer))
                         if r.finish_reason == "stop" else 0.0)
         adv = grpo.group_advantages(torch.tensor(group.rewards), self.cfg.group_size)
         for r, a in zip(group.rollouts, adv.tolist(), strict=True):
@@ -148,10 +188,11 @@ class Reference(Relay):
         self.open_inlet()
         self.model = None
         if cfg.kl_coef > 0:  # the reference model costs memory and time: only if used
-            from grpo_nb.tiny_model import load_hf
+            from grpo_nb.llm import placement
+            from grpo_nb.llm.trainer import load_policy
 
-            self.model, _ = load_hf(spec.model_dir)
-            self.model.requires_grad_(False)
+            self.model, _ = load_policy(spec.model_dir, placement.trainer_device(cfg),
+                                        placement.dtype_of(cfg), trainable=False)
         self.label = "ref logp" if self.model is not None else "pass through"
 
     async def process(self, group: Group) -> Group:
@@ -163,178 +204,10 @@ class Reference(Relay):
 
     def _ref_logprobs(self, group: Group) -> list[list[float]]:
         b = make_batch([group], pad_id=0)
+        dev = next(self.model.parameters()).device
         with torch.no_grad():
-            lp = sequence_logprobs(self.model, b.input_ids, b.attention_mask,
-                                   self.cfg.temperature)
+            lp = sequence_logprobs(self.model, b.input_ids.to(dev), b.attention_mask.to(dev),
+                                   self.cfg.temperature).float().cpu()
         p = len(group.prompt_ids)
         return [lp[i, p - 1:p - 1 + len(r.completion_ids)].tolist()
                 for i, r in enumerate(group.rollouts)]
-
-
-class Trainer(Sink):
-    """Admits fresh groups, steps the policy, pushes weights, evaluates, checkpoints.
-
-    ::
-
-        inbox ──► admit? staleness = step − group.policy_version ≤ max_staleness
-          │ no: dropped += 1, one more credit                      │ yes
-          │                         PolicyTrainer.step(groups)   (worker thread)
-          │                         WeightSyncer.sync(step)      (worker thread, every sync_every)
-          └── progress(version, issued) to generators ◄────────────┘
-                                    eval / checkpoint every N steps; Event rows to controller
-
-    Heavy torch work runs in ``asyncio.to_thread``: the event loop keeps receiving groups and
-    the generators keep their HTTP requests going while the trainer computes — that is where
-    async mode's overlap comes from on a 2-core CPU (vLLM's worker is pinned to one core).
-    """
-
-    name = "trainer"
-    quiet_cancel = True  # cancelled while a worker thread computes
-
-    def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
-        from grpo_nb.tiny_model import load_hf
-        from grpo_nb.weight_sync import WeightSyncer
-
-        self.cfg, self.spec = cfg, spec
-        self.attach(metrics)
-        self.open_inlet()
-        model, tok = load_hf(spec.resume_dir or spec.model_dir)
-        self.pt = PolicyTrainer(model, tok, cfg, spec.eval_prompts)
-        resumed = self.pt.load(spec.resume_dir) if spec.resume_dir else {}
-        self.syncer = WeightSyncer(spec.server_url, model, cfg.sync)
-        self.stopping = asyncio.Event()
-        self.next_msg: asyncio.Task | None = None  # a receive still pending when stop came
-        self.issued = self.received = self.syncs = 0
-        self.dropped = int(resumed.get("dropped", 0))
-
-    @endpoint
-    async def start(self, generators: Any) -> None:
-        self.launch(self._train(generators))
-
-    @endpoint
-    async def request_stop(self) -> None:
-        """Finish the current step, then drain, sync, evaluate and checkpoint."""
-        self.stopping.set()
-
-    def _progress(self, generators: Any) -> None:
-        generators.progress.broadcast(self.pt.version, self.issued)
-
-    async def _train(self, generators: Any) -> None:
-        cfg = self.cfg
-        await self._sync(verify=True)  # the server starts from the base model: align + check
-        await self._eval()
-        ahead = cfg.max_ahead if cfg.mode == "async" else 0
-        self.issued = (1 + ahead) * cfg.prompts_per_step
-        self._progress(generators)
-        t0 = time.time()
-        while self.pt.step_count < cfg.steps and not self.stopping.is_set():
-            if cfg.time_budget_s is not None and time.time() - t0 > cfg.time_budget_s:
-                break
-            groups = await self._collect(generators)
-            if groups is None:
-                break
-            start = time.time()
-            row = await asyncio.to_thread(self.pt.step, groups)
-            self.busy.add("train", start)
-            now = time.time()
-            row.update(staleness=[self.pt.step_count - 1 - g.policy_version for g in groups],
-                       age_s=[now - g.t_submit for g in groups], dropped=self.dropped,
-                       train_s=now - start, wall_s=now - t0, version=self.pt.version)
-            self.report("step", **row)
-            if self.pt.step_count % cfg.sync_every == 0:
-                await self._sync()
-            # async: keep 1 + max_ahead steps' worth outstanding; sync: exactly one step's.
-            self.issued = self.received + (1 + ahead) * cfg.prompts_per_step
-            self._progress(generators)
-            if self.pt.step_count % cfg.eval_every == 0:
-                await self._eval()
-            if self.pt.step_count % cfg.checkpoint_every == 0:
-                await asyncio.to_thread(self._checkpoint)
-        await self._finish(generators)
-
-    async def _collect(self, generators: Any) -> list[Group] | None:
-        """One step's worth of admitted groups (``None`` once a stop is requested)."""
-        groups: list[Group] = []
-        while len(groups) < self.cfg.prompts_per_step:
-            group = await self._next_admitted(generators)
-            if group is None:
-                return None
-            groups.append(group)
-        return groups
-
-    async def _next_admitted(self, generators: Any) -> Group | None:
-        """The next group fresh enough to train on (``None`` once a stop is requested)."""
-        while (group := await self._receive_unless_stopping()) is not None:
-            self.received += 1
-            staleness = self.pt.step_count - group.policy_version
-            if staleness <= self.cfg.max_staleness:
-                return group
-            self.dropped += 1
-            self.issued += 1  # replace it, or the step would wait forever
-            self._progress(generators)
-            self.report("dropped", step=self.pt.step_count, staleness=staleness,
-                        total=self.dropped)
-        return None
-
-    async def _receive_unless_stopping(self) -> Group | None:
-        """The next message, or ``None`` as soon as a stop is requested. A receive still
-        pending then is kept in ``next_msg``, so :meth:`_finish` loses nothing it brings."""
-        if self.stopping.is_set():
-            return None
-        if self.next_msg is None:
-            self.next_msg = asyncio.ensure_future(self._receive())
-        stop = asyncio.ensure_future(self.stopping.wait())
-        try:
-            await asyncio.wait({self.next_msg, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not self.next_msg.done():
-            return None
-        msg, self.next_msg = self.next_msg.result(), None
-        return msg
-
-    async def _receive(self) -> Any:
-        return await self.inbox.recv()
-
-    async def _sync(self, *, verify: bool | None = None) -> None:
-        start = time.time()
-        self.syncs += 1
-        if verify is None:
-            verify = self.cfg.sync.verify and self.syncs % self.cfg.verify_every == 0
-        res = await asyncio.to_thread(self.syncer.sync, self.pt.step_count, verify=verify)
-        self.pt.version = res.version
-        if res.verified:
-            self.pt.last_verified = res.version
-        self.busy.add("sync", start)
-        self.report("sync", step=self.pt.step_count, version=res.version, ms=res.ms,
-                    bytes=res.bytes, verified=res.verified, gap=self.syncer.last_gap)
-
-    async def _eval(self) -> None:
-        start = time.time()
-        acc = await asyncio.to_thread(self.pt.evaluate)
-        self.busy.add("eval", start)
-        self.report("eval", step=self.pt.step_count, accuracy=acc)
-
-    def _checkpoint(self) -> None:
-        if self.spec.run_dir is not None:
-            self.pt.save(Path(self.spec.run_dir) / "checkpoint",
-                         {"dropped": self.dropped, "received": self.received})
-
-    async def _finish(self, generators: Any) -> None:
-        await generators.drain.call()
-        pending, self.next_msg = self.next_msg, None
-        first = await pending if pending is not None else await self._receive()
-        leftover = 0 if first is None else 1 + await self.discard_queued()
-        if self.pt.version != self.pt.step_count or self.pt.last_verified != self.pt.version:
-            await self._sync(verify=True)  # the run ends on verified weights
-        if self.pt.step_count % self.cfg.eval_every != 0:
-            await self._eval()
-        await asyncio.to_thread(self._checkpoint)
-        self.busy.flush()  # before "exited": the controller stops listening then
-        self.report("exited", actor=self.name, dropped=self.dropped, leftover=leftover,
-                    steps=self.pt.step_count)
-
-    async def __cleanup__(self, exc: Any) -> None:
-        await super().__cleanup__(exc)
-        await cancel_task(self.next_msg, quiet=True)
-        self.syncer.close()

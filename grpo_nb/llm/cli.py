@@ -1,5 +1,13 @@
 """``python -m grpo_nb train``: a headless LLM GRPO run with a progress bar, a dashboard PNG,
-and a JSON summary (:class:`~grpo_nb.llm.summary.RunResult`) as the last line of stdout."""
+and a JSON summary (``runs/<name>/result.json``) as the last line of stdout.
+
+    python -m grpo_nb train --model DIR_OR_HUB_ID --dataset NAME_OR_PATH [--smoke] [--steps N]
+                            [--set FIELD=VALUE ...]      (any LLMConfig field; sync.FIELD too)
+
+``--set`` values are read by the field's type (``--set lr=1e-5 --set tis_cap=none
+--set chat_template_kwargs='{"enable_thinking": false}' --set sync.transport=nccl``) and the
+config is validated before anything starts; an error names the field.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +15,91 @@ import argparse
 import asyncio
 import json
 import sys
-from dataclasses import asdict
+import types
+import typing
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 from grpo_nb.config import smoke_mode
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.metrics import MetricsRecorder
+from grpo_nb.weight_sync import WeightSyncConfig
+
+_NONE = {"none", "null"}
+
+
+def _convert(cls: type, name: str, raw: str) -> Any:
+    """``raw`` read as ``cls``'s field ``name`` (by its annotation); errors name the field."""
+    hints = typing.get_type_hints(cls)
+    if name not in hints:
+        raise ValueError(f"--set {name}=…: {cls.__name__} has no field {name!r} (fields: "
+                         f"{', '.join(f.name for f in fields(cls))})")
+    hint = hints[name]
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) \
+        else (hint,)
+    if type(None) in args and raw.strip().lower() in _NONE:
+        return None
+    for kind in (a for a in args if a is not type(None)):
+        origin = typing.get_origin(kind) or kind
+        try:
+            if origin is bool:
+                if raw.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                    return raw.lower() in ("true", "1", "yes", "on")
+            elif origin in (int, float):
+                return origin(raw)
+            elif origin is dict:
+                value = json.loads(raw)
+                if isinstance(value, dict):
+                    return value
+            else:  # str, Literal, Any: the text itself (validated by the config)
+                return raw
+        except ValueError:
+            continue
+    shown = getattr(hint, "__name__", str(hint))
+    raise ValueError(f"--set {name}={raw!r}: {cls.__name__}.{name} expects {shown}")
+
+
+def apply_sets(cfg: LLMConfig, assignments: list[str]) -> LLMConfig:
+    """``cfg`` with ``FIELD=VALUE`` (or ``sync.FIELD=VALUE``) assignments, validated."""
+    changes: dict[str, Any] = {}
+    sync: dict[str, Any] = {}
+    for item in assignments:
+        name, eq, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not eq or not name:
+            raise ValueError(f"--set {item!r}: write FIELD=VALUE")
+        if name.startswith("sync."):
+            sync[name[5:]] = _convert(WeightSyncConfig, name[5:], raw)
+        elif name == "sync":
+            raise ValueError("--set sync=…: set its fields, e.g. --set sync.transport=reload")
+        else:
+            changes[name] = _convert(LLMConfig, name, raw)
+    if sync:
+        changes["sync"] = WeightSyncConfig(**{**asdict(cfg.sync), **sync})
+    return cfg.replace(**changes)
 
 
 def parse_config(argv: list[str]) -> tuple[argparse.Namespace, LLMConfig, bool]:
     """The command line's options, the config they describe, and whether smoke mode is on."""
     parser = argparse.ArgumentParser(
         prog="python -m grpo_nb train",
-        description="Asynchronous (or synchronous) GRPO on the tiny Qwen3 model, served by vLLM.")
+        description="Asynchronous (or synchronous) GRPO on a Qwen-family model served by vLLM.")
     parser.add_argument("--smoke", action="store_true", help="small CI preset (or GRPO_NB_SMOKE=1)")
     parser.add_argument("--mode", choices=["async", "sync"], help="default: async")
-    parser.add_argument("--model", help="model folder (default: the tiny Qwen3, built if needed)")
+    parser.add_argument("--model", help="model folder or hub id (default: the tiny character "
+                        "model, built if needed)")
+    parser.add_argument("--dataset", help="'arithmetic[:…]', a hub name such as openai/gsm8k, "
+                        "or a .json/.jsonl/.parquet file or folder (GSM8K or messages format)")
     parser.add_argument("--resume", help="a run folder (runs/<name>) to continue from")
     parser.add_argument("--steps", type=int, help="total optimiser steps")
     parser.add_argument("--time-budget", type=float, help="seconds of training at most")
     parser.add_argument("--transport", choices=["gloo", "reload", "nccl", "ipc"],
-                        help="weight sync: gloo/reload on CPU, nccl/ipc on GPU")
+                        help="weight sync (default by device: gloo on CPU, nccl/ipc on CUDA)")
+    parser.add_argument("--backend", choices=["asyncio", "monarch"], default="asyncio",
+                        help="actors in this process, or on torchmonarch processes")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="any LLMConfig field (repeatable), e.g. --set lr=1e-5")
     parser.add_argument("--name", help="run folder name under runs/")
     args = parser.parse_args(argv)
     smoke = args.smoke or smoke_mode()
@@ -36,17 +107,18 @@ def parse_config(argv: list[str]) -> tuple[argparse.Namespace, LLMConfig, bool]:
     if args.resume:
         cfg = LLMConfig(**json.loads((Path(args.resume) / "config.json").read_text()))
     changes: dict[str, Any] = {}
-    if args.mode:
-        changes["mode"] = args.mode
-    if args.steps:
-        changes["steps"] = args.steps
-    if args.time_budget:
-        changes["time_budget_s"] = args.time_budget
+    for key, value in (("mode", args.mode), ("steps", args.steps), ("model", args.model),
+                       ("dataset", args.dataset), ("time_budget_s", args.time_budget)):
+        if value is not None:
+            changes[key] = value
+    sets = list(args.set)
     if args.transport:
-        from grpo_nb.weight_sync import WeightSyncConfig
-
-        changes["sync"] = WeightSyncConfig(**{**asdict(cfg.sync), "transport": args.transport})
-    return args, cfg.replace(**changes), smoke
+        sets.append(f"sync.transport={args.transport}")
+    try:
+        cfg = apply_sets(cfg.replace(**changes), sets)
+    except ValueError as err:
+        parser.error(str(err))
+    return args, cfg, smoke
 
 
 def cli(argv: list[str]) -> int:
@@ -69,14 +141,16 @@ def cli(argv: list[str]) -> int:
             bar.write(f"step {row['step']}: test accuracy {row['accuracy']:.3f}")
 
     try:
-        result = asyncio.run(train(cfg, model_dir=args.model, name=args.name,
-                                   resume=args.resume, on_event=on_event, smoke=smoke))
+        result = asyncio.run(train(cfg, name=args.name, resume=args.resume, on_event=on_event,
+                                   smoke=smoke, backend=args.backend))
     except RunAborted as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
         bar.close()
+    summary = asdict(result)
     if result.run_dir:
         print(f"dashboard: {save_dashboard(result.run_dir)}", file=sys.stderr)
-    print(json.dumps(asdict(result)))
+        summary = json.loads((Path(result.run_dir) / "result.json").read_text())
+    print(json.dumps(summary))
     return 0

@@ -43,7 +43,25 @@ class LLMConfig:
         ratio_against: ``sampler`` uses vLLM's log-probs as the "old" policy (the ratio then
             measures how far the trainer has moved since sampling); ``trainer`` recomputes them.
     Sampling and evaluation
-        temperature, max_tokens; eval_every steps, eval_size test problems (greedy).
+        temperature, max_tokens (``None``: 8 for arithmetic, 256 for math text); eval_every
+        steps, eval_size held-out problems, sampled greedily through the server.
+    Model, data and reward (see :mod:`grpo_nb.tasks`)
+        model: a local model folder or a hub id (``None``: the tiny character model).
+        dataset: ``"arithmetic[:…]"``, a hub name (``"openai/gsm8k"``) or a local
+            .json/.jsonl/.parquet file or folder in GSM8K or ``messages`` format;
+            test_size: held out when the data has no test split (rows or fraction).
+        system_prompt / chat_template_kwargs: the system turn, and extra template arguments
+            (``{"enable_thinking": False}`` for Qwen3); prompts use the model's chat template.
+        reward: a spec (``"auto"``, ``"math+0.1*format"``, ``"module:function"``) or a
+            callable ``(completion_text, answer) -> float``.
+        max_prompt_len: longer prompts are left out (counted); the server's context length
+            is ``max_prompt_len + max_tokens``.
+    Placement
+        device / dtype: ``auto`` = CUDA + bfloat16 when CUDA is present, else CPU + float32.
+        kv_cache_mb / gpu_memory_utilization: the server's KV cache (``None``: derived from
+            the model, the context length and the number of sequences in flight).
+        sync.transport: ``gloo`` (the default) means "by device" on CUDA: ``nccl`` when the
+            server has its own GPU, ``ipc`` when it shares the trainer's.
     """
 
     mode: Mode = "async"
@@ -67,18 +85,32 @@ class LLMConfig:
     kl_coef: float = 0.0
     tis_cap: float | None = None
     ratio_against: Literal["sampler", "trainer"] = "sampler"
+    dual_clip: float | None = None
+    error_budget: int = 8
     temperature: float = 1.0
-    max_tokens: int = 8
+    max_tokens: int | None = None
     eval_every: int = 25
     eval_size: int = 1000
     trainer_threads: int = 1
     checkpoint_every: int = 100
     seed: int = 0
+    model: str | None = None
+    dataset: str = "arithmetic"
+    test_size: int | float | None = None
+    system_prompt: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reward: Any = "auto"  # a spec string or a callable (completion_text, answer) -> float
+    max_prompt_len: int = 256
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    kv_cache_mb: int | None = None
+    gpu_memory_utilization: float | None = None
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.sync, dict):
             self.sync = WeightSyncConfig(**self.sync)
+        self._check_model_and_data()
         if self.mode not in ("async", "sync"):
             raise ValueError(f"LLMConfig.mode={self.mode!r}: use 'async' or 'sync'")
         if self.group_size < 2:
@@ -114,6 +146,59 @@ class LLMConfig:
                              "or 'trainer'")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"LLMConfig.time_budget_s={self.time_budget_s}: must be > 0")
+        self._check_off_policy()
+
+    def _check_off_policy(self) -> None:
+        """Combinations that could never make progress, or that would silently do nothing.
+
+        ``error_budget``: failed requests per generator, and skipped (non-finite) steps, that
+        the ring tolerates before it stops with the last cause. ``dual_clip``: see
+        :func:`grpo.policy_loss`.
+        """
+        if self.sync_every > self.max_staleness + 1:
+            # Versions only move at a sync, so just before the next one the freshest group is
+            # sync_every - 1 steps old: with more, admission would drop every group for ever.
+            raise ValueError(
+                f"LLMConfig.sync_every={self.sync_every} > max_staleness + 1 = "
+                f"{self.max_staleness + 1}: a group's version only changes at a sync, so after "
+                f"max_staleness={self.max_staleness} steps without one every group would be "
+                "dropped as stale and the run would never finish; lower sync_every or raise "
+                "max_staleness")
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"LLMConfig.clip_low={self.clip_low}: use 0 <= clip_low < 1 (the "
+                             "ratio's lower bound 1 - clip_low must stay positive)")
+        if self.clip_high < 0.0:
+            raise ValueError(f"LLMConfig.clip_high={self.clip_high}: must be >= 0")
+        if self.dual_clip is not None and not self.dual_clip > 1.0 + self.clip_high:
+            raise ValueError(f"LLMConfig.dual_clip={self.dual_clip}: must be > 1 + clip_high = "
+                             f"{1.0 + self.clip_high} (it caps ratios the clip left unbounded)")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"LLMConfig.tis_cap={self.tis_cap}: must be > 0")
+        if self.ratio_against == "sampler" and self.tis_cap is not None:
+            raise ValueError(
+                f"LLMConfig.tis_cap={self.tis_cap} with ratio_against='sampler' does nothing: "
+                "the ratio already divides by the sampler's log-probs, so the truncated "
+                "importance weight is always 1. Use ratio_against='trainer' with tis_cap, or "
+                "drop tis_cap")
+        if self.ratio_against == "trainer" and self.tis_cap is None:
+            raise ValueError(
+                "LLMConfig.ratio_against='trainer' needs tis_cap: the 'old' log-probs are then "
+                "the trainer's own, so the ratio is exactly 1 and clipping never acts; only the "
+                "truncated importance weight min(pi_trainer / pi_sampler, tis_cap) corrects for "
+                "stale samples. Set tis_cap (e.g. 2.0) or use ratio_against='sampler'")
+        if self.max_grad_norm <= 0:
+            raise ValueError(f"LLMConfig.max_grad_norm={self.max_grad_norm}: must be > 0")
+        if self.error_budget < 0:
+            raise ValueError(f"LLMConfig.error_budget={self.error_budget}: must be >= 0")
+
+    def _check_model_and_data(self) -> None:
+        """Model, data, reward and placement fields; fills in ``max_tokens`` when ``None``."""
+        from grpo_nb.llm import placement
+
+        kind = placement.check_dataset(self.dataset)
+        if self.max_tokens is None:
+            self.max_tokens = default_max_tokens(self.dataset)
+        placement.check_fields(self, "exact" if kind == "arithmetic" else "math")
 
     @classmethod
     def smoke(cls) -> LLMConfig:
@@ -132,5 +217,15 @@ class LLMConfig:
     def replace(self, **changes: Any) -> LLMConfig:
         """A validated copy with some fields changed."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
+        if "dataset" in changes and "max_tokens" not in changes and self.max_tokens == (
+                default_max_tokens(self.dataset)):
+            data["max_tokens"] = None  # the old dataset's default follows the dataset
         data.update(changes)
         return LLMConfig(**data)
+
+
+def default_max_tokens(dataset: str) -> int:
+    """What ``max_tokens=None`` becomes: 8 for the arithmetic family, 256 for math text."""
+    from grpo_nb.tasks import is_arithmetic_name
+
+    return 8 if is_arithmetic_name(dataset) else 256

@@ -1,13 +1,18 @@
-"""Asynchronous (or synchronous) GRPO on the tiny Qwen3 model, served by vLLM with weight sync.
+"""Asynchronous (or synchronous) GRPO on a Qwen-family model, served by vLLM with weight sync.
 
 The controller of the LLM ring (:mod:`grpo_nb.llm.actors`), on :class:`grpo_nb.ring.Controller`::
 
-    train(cfg) ──► tiny model folder (tiny_model.build_or_load) ──► VLLMServer (+ gloo engine)
+    train(cfg) ──► cfg.model (a folder, a hub id, or the tiny model: tiny_model.build_or_load)
+        │      ──► cfg.dataset rendered with the model's chat template (llm.data.load_data)
+        │      ──► VLLMServer, settings derived from cfg (llm.placement.server_config)
         │                                                                  │
         ├─► run_ring(): spawn the stages, relay their events into MetricsRecorder rows;
         │       watchers: the server process exits → RunAborted at once; Stop → trainer drains
         ▼
     runs/<name>/  metrics.jsonl, config.json, checkpoint/, result.json ──► RunResult
+
+``backend="monarch"`` runs the same actor classes on torchmonarch processes: the trainer and
+the generators each in their own process, the scorer and reference in the controller's.
 
 The server is started (and always stopped) here unless the caller passes one, which is how
 notebook 05 runs the async and the sync mode against the same server.
@@ -29,12 +34,13 @@ from typing import Any
 from grpo_nb.config import runs_dir, smoke_mode
 from grpo_nb.llm.actors import Generator, Reference, Scorer, Trainer
 from grpo_nb.llm.config import LLMConfig
-from grpo_nb.llm.data import RingSpec, load_prompts
+from grpo_nb.llm.data import RingSpec, TaskData, load_data
 from grpo_nb.llm.summary import RunResult, summarize
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.ring import Controller, Event, RingError
 
-__all__ = ["RunAborted", "RunResult", "ServerWatch", "run_ring", "start_server", "train"]
+__all__ = ["RunAborted", "RunResult", "ServerWatch", "run_ring", "server_for", "start_server",
+           "train"]
 
 
 class RunAborted(RingError):
@@ -123,19 +129,16 @@ async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, serv
     progress bars). When ``stop`` is set, the trainer finishes its step, drains, syncs,
     evaluates and checkpoints. Returns the trainer's exit data; raises :class:`RunAborted`.
     """
-    import torch
-
     if stop is not None and not isinstance(stop, asyncio.Event):
         raise TypeError(f"stop must be an asyncio.Event, got {type(stop).__name__}")
-    # Process-wide settings belong to the process that owns them: the trainer runs in this one.
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.trainer_threads)
     watch = ServerWatch(server) if server is not None else None
     try:
         async with Controller(backend, rec, stop_timeout_s=stop_timeout_s) as ring:
             here = ring.procs(here=True)
-            trainer = ring.spawn(here, "trainer", Trainer, cfg, spec, ring.metrics)
-            scorer = ring.spawn(here, "scorer", Scorer, cfg, ring.metrics)
+            # On Monarch the trainer gets its own process (its torch threads, its GPU).
+            own = ring.procs(1) if backend == "monarch" else here
+            trainer = ring.spawn(own, "trainer", Trainer, cfg, spec, ring.metrics)
+            scorer = ring.spawn(here, "scorer", Scorer, cfg, spec, ring.metrics)
             reference = ring.spawn(here, "reference", Reference, cfg, spec, ring.metrics)
             gens = ring.spawn(ring.procs(cfg.generators), "generators", Generator, cfg, spec,
                               await scorer.inlet.call_one(), ring.metrics)
@@ -166,15 +169,15 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
                 on_event: Callable[[str, MetricsRecorder], None] | None = None,
                 stop: asyncio.Event | None = None, backend: str = "asyncio",
                 smoke: bool | None = None, progress: bool = True) -> RunResult:
-    """Run GRPO on the LLM end to end; writes ``runs/<name>/``. See module docstring."""
-    from transformers import AutoTokenizer
+    """Run GRPO on the LLM end to end; writes ``runs/<name>/``. See module docstring.
 
-    from grpo_nb.tiny_model import TinyModelConfig, build_or_load
-
+    ``model_dir`` (else ``cfg.model``, else the tiny model) is a folder or a hub id. A
+    ``server`` passed in is used as it is (its model must be the same); otherwise one is
+    started with settings derived from ``cfg`` and always stopped.
+    """
     smoke = smoke_mode() if smoke is None else smoke
-    if model_dir is None:
-        model_dir = await asyncio.to_thread(build_or_load, TinyModelConfig(), progress=progress)
-    model_dir = str(model_dir)
+    model = await _model_source(model_dir or cfg.model, progress)
+    cfg = cfg.replace(model=model) if cfg.model != model else cfg
     if resume is not None:
         run_dir = Path(resume)
         if not (run_dir / "checkpoint" / "trainer_state.json").is_file():
@@ -183,15 +186,19 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
         run_dir = runs_dir() / (name or f"llm-{cfg.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     rec = MetricsRecorder(run_dir, append=resume is not None)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
-    prompts, eval_set = load_prompts(AutoTokenizer.from_pretrained(model_dir), smoke)
-    if cfg.eval_size < len(eval_set[0]):
-        eval_set = (eval_set[0][:cfg.eval_size], eval_set[1][:cfg.eval_size])
+    data = await asyncio.to_thread(_load_data, model, cfg, smoke)
+    rec.log("data", train=len(data.train), test=len(data.test), filtered=data.filtered,
+            task=data.kind, prompt_example=data.prompt_example)
     own = server is None
     if own:
-        server = await asyncio.to_thread(start_server, model_dir, cfg, progress)
+        server = server_for(model, cfg)
     try:
-        spec = RingSpec(server.url, server.model_name, model_dir, prompts, eval_set,
-                        str(run_dir), str(run_dir / "checkpoint") if resume else None)
+        if own:
+            await server.start_async(progress=progress)
+        spec = RingSpec(server.url, server.model_name, model, data.train, data.test,
+                        str(run_dir), str(run_dir / "checkpoint") if resume else None,
+                        reward_default="exact" if data.kind == "arithmetic" else "math",
+                        api_key=server.api_key)
         t0 = time.perf_counter()
         out = await run_ring(cfg, spec, rec, server=server, on_event=on_event, stop=stop,
                              backend=backend)
@@ -201,15 +208,36 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
             await asyncio.to_thread(server.stop)
         rec.close()
     result = summarize(rec, cfg, wall, out.get("dropped", 0))
-    (run_dir / "result.json").write_text(json.dumps(asdict(result), indent=1))
+    summary = {**asdict(result), "model": model, "dataset": cfg.dataset,
+               "prompt_example": data.prompt_example, "prompts_filtered": data.filtered}
+    (run_dir / "result.json").write_text(json.dumps(summary, indent=1))
     return result
 
 
-def start_server(model_dir: str, cfg: LLMConfig, progress: bool = True) -> Any:
-    """A vLLM server for ``model_dir`` with this config's weight-sync settings (loopback)."""
-    from grpo_nb.serving.server import ServerConfig, VLLMServer
+async def _model_source(model: str | Path | None, progress: bool) -> str:
+    """A folder or hub id; ``None`` builds (or loads the cached) tiny character model."""
+    if model is not None:
+        return str(model)
+    from grpo_nb.tiny_model import TinyModelConfig, build_or_load
 
-    scfg = ServerConfig.smoke(model_dir)
-    for key, value in cfg.sync.server_settings().items():
-        setattr(scfg, key, value)
-    return VLLMServer(scfg).start(progress=progress)
+    return str(await asyncio.to_thread(build_or_load, TinyModelConfig(), progress=progress))
+
+
+def _load_data(model: str, cfg: LLMConfig, smoke: bool) -> TaskData:
+    from transformers import AutoTokenizer
+
+    return load_data(AutoTokenizer.from_pretrained(model), cfg, smoke)
+
+
+def server_for(model: str, cfg: LLMConfig) -> Any:
+    """An unstarted vLLM server for ``model`` with settings derived from ``cfg`` (context
+    length, KV cache, GPU memory, weight-sync transport): ``await server.start_async()``."""
+    from grpo_nb.llm.placement import server_config
+    from grpo_nb.serving.server import VLLMServer
+
+    return VLLMServer(server_config(model, cfg))
+
+
+def start_server(model_dir: str, cfg: LLMConfig, progress: bool = True) -> Any:
+    """:func:`server_for`, started (blocking; in async code prefer ``start_async``)."""
+    return server_for(model_dir, cfg).start(progress=progress)

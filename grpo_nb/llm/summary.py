@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from grpo_nb.llm.config import LLMConfig
@@ -16,7 +17,15 @@ from grpo_nb.metrics import MetricsRecorder
 
 @dataclass
 class RunResult:
-    """What a run achieved: steps, accuracy before/after, speed, staleness, sync health."""
+    """What a run achieved: steps, accuracy before/after, speed, staleness, sync health.
+
+    ``ratio_mean`` / ``clip_frac_mean``: the PPO ratio π_θ / π_old and the clipped fraction of
+    tokens, averaged over steps; on fresh samples (sync mode) the ratio is ≈ 1 at any
+    temperature, so a value far from 1 there means the two sides compute different
+    probabilities. Faults, each counted and survived: ``skipped_steps`` (non-finite loss or
+    gradient), ``failed_requests`` (their groups resubmitted), ``aborted_groups`` (cut short by
+    a sync with ``pause_mode="abort"``, resubmitted).
+    """
 
     steps: int
     accuracy_before: float
@@ -29,6 +38,11 @@ class RunResult:
     staleness_mean: float = math.nan
     tokens_per_s: float = math.nan
     run_dir: str | None = None
+    ratio_mean: float = math.nan
+    clip_frac_mean: float = math.nan
+    skipped_steps: int = 0
+    failed_requests: int = 0
+    aborted_groups: int = 0
 
 
 def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int) -> RunResult:
@@ -51,4 +65,14 @@ def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int)
         staleness_mean=round(statistics.fmean(stale), 3) if stale else math.nan,
         tokens_per_s=round(tokens / wall_s, 1) if wall_s > 0 else math.nan,
         run_dir=str(rec.run_dir) if rec.run_dir else None,
+        ratio_mean=_mean(r.get("ratio_mean") for r in steps),
+        clip_frac_mean=_mean(r.get("clip_frac") for r in steps),
+        skipped_steps=len(rec.rows("skipped")),
+        failed_requests=len(rec.rows("request_failed")),
+        aborted_groups=len(rec.rows("aborted")),
     )
+
+
+def _mean(values: Iterable[float | None]) -> float:
+    xs = [v for v in values if v is not None]
+    return round(statistics.fmean(xs), 4) if xs else math.nan

