@@ -310,6 +310,8 @@ def fake_server(monkeypatch, tmp_path):
         return [sys.executable, "-c", self.env.get("FAKE", FAKE_TREE)]
 
     monkeypatch.setattr(ServerConfig, "command", command)
+    # A registry of this test's own: stop_all() here must not stop the session's real server.
+    monkeypatch.setattr(serving, "_LIVE", set())
 
     def make(healthy: bool = True, **kw):
         monkeypatch.setattr(VLLMServer, "healthy", lambda self: healthy)
