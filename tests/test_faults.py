@@ -2,9 +2,9 @@
 names its cause within 30 s, or the run goes on with the fault counted; no process is left
 behind and the last checkpoint loads.
 
-Cost: three server starts, one at a time: the shared one (every in-run fault, then killed
-mid-sync), the CLI's own (SIGKILLed with the CLI), a later one (the CLI run's resume, then
-killed mid-generation). The SFT'd
+Cost: one server start of its own (killed mid-generation); every other fault runs on the
+session's shared server, and the mid-sync kill runs last of the whole suite (marked
+``kills_server``). The CLI's SIGKILL and resume are in ``test_llm_scale.py``. The SFT'd
 tiny model (cached) is used so completions end with EOS and the reward function is called.
 """
 
@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -37,12 +36,6 @@ TIMES: dict[str, float] = {}  # fault → seconds until the promised outcome (pr
 
 def _cfg(**changes: Any) -> LLMConfig:
     return LLMConfig(**{**SMALL, **changes})
-
-
-def _server(model_dir: Path) -> Any:
-    from grpo_nb.llm.run import start_server
-
-    return start_server(str(model_dir), _cfg(), progress=False)
 
 
 def _gone(server: Any, within_s: float = 15.0) -> float:
@@ -71,17 +64,6 @@ def _train(cfg: LLMConfig, model_dir: Path, server: Any, name: str, **kw: Any) -
                              progress=False, **kw))
 
 
-def _owner(proc: Any) -> str | None:
-    import psutil
-
-    from grpo_nb.serving.processes import OWNER_ENV
-
-    try:
-        return proc.environ().get(OWNER_ENV)
-    except psutil.Error:
-        return None
-
-
 def _load_checkpoint(folder: Path, model_dir: Path) -> dict[str, Any]:
     from grpo_nb.llm.trainer import PolicyTrainer
     from grpo_nb.tiny_model import load_hf
@@ -90,46 +72,10 @@ def _load_checkpoint(folder: Path, model_dir: Path) -> dict[str, Any]:
     return PolicyTrainer(model, tok, _cfg()).load(folder)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Any]:
-    pytest.importorskip("vllm")
-    srv = _server(tiny_model_dir)
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        _gone(srv)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _report_timings() -> Iterator[None]:
     yield
     print("\nfault timings (s):", json.dumps({k: round(v, 1) for k, v in TIMES.items()}))
-
-
-class _Later:
-    """A server started on first use: never two of ours at once (the shared one is dead by
-    then); used by the CLI test's resume, then killed by the last test."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir, self.server = model_dir, None
-
-    def get(self) -> Any:
-        if self.server is None:
-            self.server = _server(self.model_dir)
-        return self.server
-
-
-@pytest.fixture(scope="module")
-def later(tiny_model_dir: Path) -> Iterator[_Later]:
-    pytest.importorskip("vllm")
-    box = _Later(tiny_model_dir)
-    try:
-        yield box
-    finally:
-        if box.server is not None:
-            box.server.stop()
-            _gone(box.server)
 
 
 @pytest.fixture
@@ -154,7 +100,7 @@ def test_a_config_that_could_never_admit_a_group_fails_before_any_server(runs: P
     assert {p.pid for p in marked_processes()} <= before  # no server was started
 
 
-def test_nan_loss_is_skipped_counted_and_the_run_goes_on(server, tiny_model_dir, runs,
+def test_nan_loss_is_skipped_counted_and_the_run_goes_on(ring_server, tiny_model_dir, runs,
                                                          monkeypatch) -> None:
     from grpo_nb.llm.run import RunAborted
     from grpo_nb.llm.trainer import PolicyTrainer
@@ -169,7 +115,7 @@ def test_nan_loss_is_skipped_counted_and_the_run_goes_on(server, tiny_model_dir,
         return (loss * float("nan"), metrics) if nan else (loss, metrics)
 
     monkeypatch.setattr(PolicyTrainer, "_micro_loss", poisoned)
-    r = _train(_cfg(), tiny_model_dir, server, "nan")
+    r = _train(_cfg(), tiny_model_dir, ring_server, "nan")
     assert r.steps == 3 and r.skipped_steps == 1 and r.weights_verified, r
     rec = load_metrics(runs / "nan")
     assert [row["reason"] for row in rec.rows("skipped")] == ["loss=nan"]
@@ -180,10 +126,10 @@ def test_nan_loss_is_skipped_counted_and_the_run_goes_on(server, tiny_model_dir,
     calls.update(n=0, nan_from=1, nan_to=10**9)
     start = time.monotonic()
     with pytest.raises(RunAborted, match=r"non-finite loss or gradient .*error_budget=1"):
-        _train(_cfg(error_budget=1), tiny_model_dir, server, "nan-always")
+        _train(_cfg(error_budget=1), tiny_model_dir, ring_server, "nan-always")
     TIMES["NaN loss, persistent"] = time.monotonic() - start
     assert TIMES["NaN loss, persistent"] < FAULT_S + 30  # includes start-up sync and eval
-    assert server.healthy()
+    assert ring_server.healthy()
 
 
 REWARD_CALLS = {"n": 0, "t": 0.0}
@@ -199,21 +145,21 @@ def exploding_reward(text: str, answer: str) -> float:
     return float(text.strip() == answer.strip())
 
 
-def test_a_reward_function_that_raises_ends_the_run_naming_it(server, tiny_model_dir, runs
+def test_a_reward_function_that_raises_ends_the_run_naming_it(ring_server, tiny_model_dir, runs
                                                               ) -> None:
     from grpo_nb.llm.run import RunAborted
 
     calls, reward = REWARD_CALLS, exploding_reward
     with pytest.raises(RunAborted, match=r"ring actor scorer failed: ValueError\('reward "
                                          r"exploded on purpose'\)"):
-        _train(_cfg(steps=20, reward=reward), tiny_model_dir, server, "reward")
+        _train(_cfg(steps=20, reward=reward), tiny_model_dir, ring_server, "reward")
     TIMES["reward raises"] = time.monotonic() - calls["t"]
     assert calls["t"] and TIMES["reward raises"] < FAULT_S
     assert _load_checkpoint(runs / "reward" / "checkpoint", tiny_model_dir)["step"] >= 1
-    assert server.healthy()
+    assert ring_server.healthy()
 
 
-def test_abort_mode_drops_and_resubmits_groups_cut_by_a_sync(server, tiny_model_dir, runs,
+def test_abort_mode_drops_and_resubmits_groups_cut_by_a_sync(ring_server, tiny_model_dir, runs,
                                                              monkeypatch) -> None:
     """Long requests (200 tokens, EOS ignored) are in flight whenever the trainer syncs in
     async mode; /pause?mode=abort cuts them: never scored, counted, sampled again."""
@@ -236,14 +182,14 @@ def test_abort_mode_drops_and_resubmits_groups_cut_by_a_sync(server, tiny_model_
     monkeypatch.setattr(CompletionsClient, "complete", long_requests)
     monkeypatch.setattr(actors.Scorer, "process", recording)
     cfg = _cfg(mode="async", max_ahead=1, sync=WeightSyncConfig(pause_mode="abort"))
-    r = _train(cfg, tiny_model_dir, server, "abort")
+    r = _train(cfg, tiny_model_dir, ring_server, "abort")
     assert r.steps == 3 and r.weights_verified, r
     assert r.aborted_groups >= 1, r  # requests were in flight at a sync, and were cut
     assert scored and "abort" not in scored and set(scored) == {"length"}
 
 
 def test_a_prompt_over_the_context_length_is_dropped_counted_and_resubmitted(
-        server, tiny_model_dir, runs, monkeypatch) -> None:
+        ring_server, tiny_model_dir, runs, monkeypatch) -> None:
     from grpo_nb.llm import actors
     from grpo_nb.llm.data import Prompt
     from grpo_nb.llm.run import RunAborted
@@ -256,22 +202,24 @@ def test_a_prompt_over_the_context_length_is_dropped_counted_and_resubmitted(
         init(self, cfg, dataclasses.replace(spec, prompts=prompts), out, metrics)
 
     monkeypatch.setattr(actors.Generator, "__init__", with_long_prompts)
-    r = _train(_cfg(error_budget=100), tiny_model_dir, server, "long")
+    r = _train(_cfg(error_budget=100), tiny_model_dir, ring_server, "long")
     assert r.steps == 3 and r.failed_requests >= 1 and r.weights_verified, r
 
     only_long["on"] = True  # every prompt too long: the error budget runs out, the cause named
     start = time.monotonic()
     with pytest.raises(RunAborted, match=r"gen[01]: \d+ failed requests \(> LLMConfig.error_budget"
                                          r"=2\); last: HTTP 400"):
-        _train(_cfg(error_budget=2), tiny_model_dir, server, "long-always")
+        _train(_cfg(error_budget=2), tiny_model_dir, ring_server, "long-always")
     TIMES["prompt over context, every request"] = time.monotonic() - start
     assert TIMES["prompt over context, every request"] < FAULT_S + 30  # + start-up sync, eval
-    assert server.healthy()
+    assert ring_server.healthy()
 
 
-def test_killing_the_server_mid_sync_ends_the_run_clearly(server, tiny_model_dir, runs,
+@pytest.mark.kills_server
+def test_killing_the_server_mid_sync_ends_the_run_clearly(ring_server, tiny_model_dir, runs,
                                                           monkeypatch) -> None:
-    """The last test of the shared server: it kills it."""
+    """Runs after every other test of the suite (``kills_server``): it kills the shared
+    server."""
     from grpo_nb.llm.run import RunAborted
     from grpo_nb.weight_sync import WeightSyncer
 
@@ -280,73 +228,27 @@ def test_killing_the_server_mid_sync_ends_the_run_clearly(server, tiny_model_dir
     def killing(self, version, phases):
         state["n"] += 1
         if state["n"] == 3:  # the sync after step 2 (1: start-up, 2: after step 1)
-            _kill(server)
+            _kill(ring_server)
             state["t"] = time.monotonic()
         return transfer(self, version, phases)
 
     monkeypatch.setattr(WeightSyncer, "_transfer", killing)
     with pytest.raises(RunAborted, match=r"the vLLM server at .* exited"):
-        _train(_cfg(steps=20), tiny_model_dir, server, "kill-sync")
+        _train(_cfg(steps=20), tiny_model_dir, ring_server, "kill-sync")
     TIMES["server killed mid-sync"] = time.monotonic() - state["t"]
     assert state["t"] and TIMES["server killed mid-sync"] < FAULT_S
     assert _load_checkpoint(runs / "kill-sync" / "checkpoint", tiny_model_dir)["step"] >= 1
-    server.stop()
-    _gone(server, within_s=5.0)
+    ring_server.stop()
+    _gone(ring_server, within_s=5.0)
 
 
-def test_sigkill_of_the_cli_leaves_no_server_and_resume_loses_at_most_one_interval(
-        later, tiny_model_dir, runs) -> None:
-    """The trainer runs in the CLI's process: SIGKILL it. The server's watchdog ends the
-    vLLM tree within seconds; the checkpoint loads; --resume continues from it."""
-    import psutil
-
-    from grpo_nb.llm.run import train
-    from grpo_nb.metrics import load_metrics
-    from grpo_nb.serving.processes import marked_processes
-
-    env = {**os.environ, "GRPO_NB_RUNS": str(runs), "GRPO_NB_SMOKE": "1"}
-    cmd = [sys.executable, "-m", "grpo_nb", "train", "--smoke", "--mode", "sync", "--steps",
-           "200", "--model", str(tiny_model_dir), "--name", "cli", "--set", "checkpoint_every=1",
-           "--set", "time_budget_s=600", "--set", "eval_every=1000", "--set", "eval_size=4"]
-    cli = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    state = runs / "cli" / "checkpoint" / "trainer_state.json"
-    try:
-        deadline = time.monotonic() + 900  # a server start takes up to 6 min on a busy CPU
-        while not (state.is_file() and json.loads(state.read_text())["step"] >= 1):
-            assert cli.poll() is None, cli.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint after 900 s"
-            time.sleep(0.5)
-        ours = [p for p in marked_processes() if _owner(p) == str(cli.pid)]
-        assert ours, "the CLI's server processes were not found"
-        cli.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        cli.wait()
-    finally:
-        if cli.poll() is None:
-            cli.kill()
-            cli.wait()
-    _, alive = psutil.wait_procs(ours, timeout=15)
-    assert not alive, f"vLLM tree still alive 15 s after the SIGKILL: {alive}"
-    TIMES["CLI SIGKILLed → server tree gone"] = time.monotonic() - killed
-    saved = _load_checkpoint(runs / "cli" / "checkpoint", tiny_model_dir)
-    done = max(row["step"] for row in load_metrics(runs / "cli").rows("step"))
-    assert done - saved["step"] <= 1  # at most checkpoint_every steps lost
-
-    cfg = LLMConfig(**json.loads((runs / "cli" / "config.json").read_text()))
-    cfg = cfg.replace(steps=saved["step"] + 2, time_budget_s=120.0)
-    r = asyncio.run(train(cfg, model_dir=tiny_model_dir, resume=runs / "cli",
-                          server=later.get(), smoke=True, progress=False))
-    steps = [row["step"] for row in load_metrics(runs / "cli").rows("step")]
-    assert steps[-2:] == [saved["step"] + 1, saved["step"] + 2] and r.weights_verified
-
-
-def test_killing_the_server_mid_generation_ends_the_run_clearly(later, tiny_model_dir, runs,
+def test_killing_the_server_mid_generation_ends_the_run_clearly(tiny_model_dir, runs,
                                                                 monkeypatch) -> None:
-    """The last test of the module: it kills the later server."""
-    from grpo_nb.llm.run import RunAborted
+    """On a server of its own (started here, then killed)."""
+    from grpo_nb.llm.run import RunAborted, start_server
     from grpo_nb.serving.client import CompletionsClient
 
-    own = later.get()
+    own = start_server(str(tiny_model_dir), _cfg(), progress=False)
     complete, state = CompletionsClient.complete, {"groups": 0, "t": 0.0}
 
     async def killing(self, prompt_ids, **kw):

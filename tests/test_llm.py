@@ -11,12 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -332,28 +329,14 @@ SMALL = {"steps": 4, "generators": 2, "prompts_per_step": 4, "group_size": 4,
          "time_budget_s": 120.0}
 
 
-@pytest.fixture(scope="module")
-def ring_server(tiny_model_dir: Path) -> Iterator[object]:
-    """The SFT'd tiny model (cached): its groups have mixed rewards, so steps have a real
-    gradient and every sync pushes different weights (a random model's rewards are all 0)."""
-    pytest.importorskip("vllm")
-    from grpo_nb.llm.run import start_server
-
-    server = start_server(str(tiny_model_dir), LLMConfig(), progress=False)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 LOGPROB_ATOL = 1e-3  # fp32 on both sides: measured max |Δ| ≈ 1e-5 at T = 0.7 (see report)
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_sampler_and_trainer_logprobs_agree_at_temperature_0_7(ring_server,
+def test_sampler_and_trainer_logprobs_agree_at_temperature_0_7(vllm_server,
                                                                tiny_model_dir) -> None:
-    """First user of the server (base weights). The PPO ratio divides the trainer's log-prob
+    """The server serves the model file's weights. The PPO ratio divides the trainer's log-prob
     at T by the sampler's: both must be post-temperature, or fresh samples have ratio ≠ 1."""
     from grpo_nb.llm.trainer import sequence_logprobs
     from grpo_nb.serving.client import CompletionsClient
@@ -364,7 +347,7 @@ def test_sampler_and_trainer_logprobs_agree_at_temperature_0_7(ring_server,
                for a, b in [(12, 345), (7, 80), (409, 3), (55, 55)]]
 
     async def sample() -> list[tuple[list[int], list[int], list[float]]]:
-        async with CompletionsClient.for_server(ring_server) as client:
+        async with CompletionsClient.for_server(vllm_server) as client:
             outs = await asyncio.gather(*[client.complete(p, max_tokens=8, temperature=0.7, n=4,
                                                           seed=i)
                                           for i, p in enumerate(prompts)])
@@ -415,7 +398,9 @@ def test_async_and_sync_modes_run_verify_and_schedule_differently(
     for mode, r in results.items():
         assert r.steps == 4 and r.weights_verified, (mode, r)
         assert moved[mode] > 1e-3, (mode, moved)  # the syncs pushed weights that changed
-        assert all(row["grad_norm"] > 0 for row in load_metrics(tmp_path / mode).rows("step"))
+        # A step whose groups all have equal rewards has zero advantages, hence no gradient.
+        norms = [row["grad_norm"] for row in load_metrics(tmp_path / mode).rows("step")]
+        assert all(n >= 0 for n in norms) and any(n > 0 for n in norms), norms
         assert 0.0 <= r.accuracy_after <= 1.0 and r.sync_ms_mean > 0
         rec = load_metrics(tmp_path / mode)
         assert [row["step"] for row in rec.rows("step")] == [1, 2, 3, 4]
@@ -461,50 +446,3 @@ def test_stop_event_ends_the_run_early_on_verified_weights(ring_server, tiny_mod
     assert 1 <= r.steps <= 2 and r.weights_verified, r
     state = json.loads((tmp_path / "stop" / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == r.steps
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_killing_the_server_ends_the_run_with_a_clear_error(ring_server, tiny_model_dir,
-                                                             tmp_path, monkeypatch) -> None:
-    """Runs after the ring test in this module: it kills the module's server."""
-    from grpo_nb.llm.run import RunAborted, train
-    from grpo_nb.serving import server as serving
-
-    monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
-    killed_at: list[float] = []
-
-    def on_event(kind: str, rec) -> None:
-        if kind == "step" and not killed_at:
-            for p in serving.find_server_processes([ring_server.server_id]):
-                p.kill()
-            killed_at.append(time.monotonic())
-
-    cfg = LLMConfig(**{**SMALL, "steps": 50})
-    with pytest.raises(RunAborted, match="vLLM server"):
-        asyncio.run(train(cfg, model_dir=tiny_model_dir, name="kill", server=ring_server,
-                          on_event=on_event, smoke=True, progress=False))
-    assert killed_at and time.monotonic() - killed_at[0] < 30
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_cli_prints_a_json_summary_last_and_leaves_no_server(random_model_dir, tmp_path) -> None:
-    env = {**os.environ, "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "grpo_nb", "train", "--smoke", "--steps", "3",
-                           "--model", str(random_model_dir), "--name", "cli", "--mode", "sync",
-                           "--set", "temperature=0.7"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("steps", "accuracy_before", "accuracy_after", "wall_s", "sync_ms_mean",
-                "stale_dropped", "weights_verified"):
-        assert key in summary
-    assert summary["steps"] == 3 and summary["weights_verified"] is True
-    # sync mode trains on fresh samples: at T = 0.7 too, the PPO ratio is 1 (issue 12)
-    assert abs(summary["ratio_mean"] - 1.0) < 0.02, summary
-    assert summary["clip_frac_mean"] < 0.01 and summary["skipped_steps"] == 0, summary
-    assert (tmp_path / "cli" / "dashboard.png").is_file()
-    leftover = subprocess.run(["pgrep", "-f", f"vllm.*{random_model_dir}"], capture_output=True,
-                              text=True).stdout.split()
-    assert leftover == []

@@ -3,7 +3,8 @@
 The model and data here are ones the project did not create in this process: a subprocess
 (``python tests/realistic_model.py OUT``) writes a Qwen3 + byte-level BPE + chat-template
 model and a GSM8K-format JSONL into a temporary folder, and the ring only ever sees the paths.
-Server starts: one by the CLI test (its own), one by the Monarch test.
+Server starts: two by the CLI test (the SIGKILLed run's, the resumed run's), one by the
+Monarch test.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -185,31 +189,118 @@ def _no_server_left(model: str) -> list[str]:
                           text=True).stdout.split()
 
 
+def _owned_by(pid: int) -> list[Any]:
+    """The marked vLLM processes whose owner is ``pid``."""
+    import psutil
+
+    from grpo_nb.serving.processes import OWNER_ENV, marked_processes
+
+    def owner(proc: Any) -> str | None:
+        try:
+            return proc.environ().get(OWNER_ENV)
+        except psutil.Error:
+            return None
+
+    return [p for p in marked_processes() if owner(p) == str(pid)]
+
+
+def _status(url: str, key: str | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def _wait_for_checkpoint(cli: subprocess.Popen, state: Path, within_s: float = 900) -> None:
+    deadline = time.monotonic() + within_s  # a server start takes minutes on a busy CPU
+    while not (state.is_file() and json.loads(state.read_text())["step"] >= 1):
+        assert cli.poll() is None, cli.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint after {within_s} s"
+        time.sleep(0.5)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_cli_trains_a_model_and_data_it_did_not_create(realistic, tmp_path) -> None:
-    env = {**os.environ, "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "grpo_nb", "train", "--model", realistic.model,
-         "--dataset", realistic.data, "--steps", "3", "--smoke", "--name", "real",
-         "--set", "max_tokens=24", "--set", "eval_size=16", "--set", "prompts_per_step=4",
-         "--set", "group_size=4", "--set", "max_inflight=8"],
-        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic, tmp_path
+                                                                       ) -> None:
+    """The CLI end to end, on a model and data it did not create, with an API key set; two
+    runs, each starting its own server. (1) A long sync run at T = 0.7: its server answers
+    only keyed /v1 requests; SIGKILLed after its first checkpoint, the server's watchdog ends
+    the vLLM tree within 15 s and at most one step is lost. (2) ``--resume`` two more steps:
+    the JSON summary comes last, the weights are verified, the PPO ratio of fresh samples
+    is 1 at T = 0.7, prompts use the chat template, every held-out prompt is evaluated, and
+    no server is left."""
+    import psutil
+
+    key = "test-key-" + os.urandom(8).hex()
+    env = {**os.environ, "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1",
+           "VLLM_API_KEY": key}
+    shape = ["--model", realistic.model, "--dataset", realistic.data, "--smoke",
+             "--name", "real", "--mode", "sync", "--set", "max_tokens=24", "--set",
+             "eval_size=16", "--set", "prompts_per_step=4", "--set", "group_size=4",
+             "--set", "max_inflight=8", "--set", "temperature=0.7",
+             "--set", "checkpoint_every=1", "--set", "eval_every=1000"]
+    cli = subprocess.Popen([sys.executable, "-m", "grpo_nb", "train", *shape, "--steps", "200",
+                            "--set", "time_budget_s=600"],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    run = tmp_path / "real"
+    try:
+        _wait_for_checkpoint(cli, run / "checkpoint" / "trainer_state.json")
+        ours = _owned_by(cli.pid)
+        assert ours, "the CLI's server processes were not found"
+        argv = next(p.cmdline() for p in ours if "--port" in p.cmdline())
+        assert not any(key in " ".join(p.cmdline()) for p in ours), "the key is in argv"
+        url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+        assert (_status(f"{url}/v1/models"), _status(f"{url}/v1/models", key)) == (401, 200)
+        cli.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        cli.wait()
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    _, alive = psutil.wait_procs(ours, timeout=15)
+    assert not alive, f"vLLM tree still alive 15 s after the SIGKILL: {alive}"
+    print(f"CLI SIGKILLed → server tree gone in {time.monotonic() - killed:.1f} s")
+    saved = json.loads((run / "checkpoint" / "trainer_state.json").read_text())["step"]
+    done = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").open()
+               if json.loads(line)["kind"] == "step")
+    assert done - saved <= 1  # at most checkpoint_every steps lost
+
+    proc = subprocess.run([sys.executable, "-m", "grpo_nb", "train", "--resume", str(run),
+                           "--steps", str(saved + 2), "--smoke", "--name", "real",
+                           "--set", "time_budget_s=300"],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 3 and summary["weights_verified"] is True, summary
+    for name in ("steps", "accuracy_before", "accuracy_after", "wall_s", "sync_ms_mean",
+                 "stale_dropped", "weights_verified"):
+        assert name in summary, name
+    assert summary["weights_verified"] is True, summary
+    # sync mode trains on fresh samples: at T = 0.7 too, the PPO ratio is 1 (issue 12)
+    assert abs(summary["ratio_mean"] - 1.0) < 0.02, summary
+    assert summary["clip_frac_mean"] < 0.01 and summary["skipped_steps"] == 0, summary
     assert "<|im_start|>user\n" in summary["prompt_example"]
     assert summary["prompt_example"].endswith("<|im_start|>assistant\n")
     assert summary["model"] == realistic.model and summary["dataset"] == realistic.data
     assert 0.0 <= summary["accuracy_after"] <= 1.0
-    config = json.loads((tmp_path / "real" / "config.json").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if r["kind"] == "step"][-2:] == [saved + 1, saved + 2]
+    config = json.loads((run / "config.json").read_text())
     assert config["model"] == realistic.model and config["max_tokens"] == 24
-    rows = [json.loads(line) for line in (tmp_path / "real" / "metrics.jsonl").open()]
     data = next(r for r in rows if r["kind"] == "data")
     assert data["task"] == "math" and data["prompt_example"] == summary["prompt_example"]
-    evals = [r for r in rows if r["kind"] == "eval"]
     assert data["test"] == 12  # 10 % of 120 rows held out (fewer than eval_size)
+    evals = [r for r in rows if r["kind"] == "eval"]
     assert evals and all(r["n"] == 12 for r in evals)  # every held-out prompt, via the server
+    assert (run / "dashboard.png").is_file()
     assert _no_server_left(realistic.model) == []
 
 

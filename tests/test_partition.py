@@ -83,31 +83,22 @@ def test_apply_pins_every_thread_and_torch_then_restores():
 
 
 @pytest.mark.vllm
-def test_started_server_tree_runs_on_the_planned_cores(tiny_model_dir, tmp_path):
-    """Every process and thread of a started server has the planned mask (Cpus_allowed_list),
-    while this test process keeps all its cores; the server answers."""
-    pytest.importorskip("vllm")
-    from grpo_nb.serving.server import ServerConfig, VLLMServer
-
+def test_started_server_tree_runs_on_the_planned_cores(vllm_server):
+    """Every process and thread of the session's server (started with ``cpus="auto"``) has
+    the planned mask (Cpus_allowed_list), while this test process keeps all its cores."""
+    server = vllm_server
     mine = partition.available_cpus()
     if len(mine) < 2:
         pytest.skip("needs 2 cores")
-    want = (mine[-1],)
-    cfg = ServerConfig.smoke(tiny_model_dir)
-    cfg.cpus, cfg.log_dir = list(want), tmp_path
-    server = VLLMServer(cfg)
-    try:
-        server.start(progress=False)
-        assert server.cpus == want and server.healthy()
-        pids = server.pids()
-        assert len(pids) >= 2, f"expected the API server and its EngineCore, got {pids}"
-        masks = {(pid, tid): partition.allowed_list(pid, tid)
-                 for pid in pids for tid in os.listdir(f"/proc/{pid}/task")}
-        wrong = {k: v for k, v in masks.items() if v != want}
-        assert not wrong, f"threads off the planned cores {want}: {wrong}"
-        with open(f"/proc/{server.proc.pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
-        assert f"VLLM_CPU_OMP_THREADS_BIND={format_cpus(want)}".encode() in env
-    finally:
-        server.stop()
+    want = (mine[-1],)  # the default plan on a CPU-only machine: the server on the last core
+    assert server.cpus == want and server.healthy()
+    pids = server.pids()
+    assert len(pids) >= 2, f"expected the API server and its EngineCore, got {pids}"
+    masks = {(pid, tid): partition.allowed_list(pid, tid)
+             for pid in pids for tid in os.listdir(f"/proc/{pid}/task")}
+    wrong = {k: v for k, v in masks.items() if v != want}
+    assert not wrong, f"threads off the planned cores {want}: {wrong}"
+    with open(f"/proc/{server.proc.pid}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+    assert f"VLLM_CPU_OMP_THREADS_BIND={format_cpus(want)}".encode() in env
     assert partition.available_cpus() == mine

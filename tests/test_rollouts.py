@@ -116,12 +116,11 @@ def test_failed_groups_are_dropped_and_counted_or_raised(vllm_server, tiny_model
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_cli_prints_json_last_and_leaves_no_server(tiny_model_dir):
-    from grpo_nb.serving.server import find_server_processes
-
+def test_cli_prints_json_last_attached_to_a_running_server(vllm_server, tiny_model_dir):
+    """``--attach`` (a CLI that starts its own server is tested in test_llm_scale.py)."""
     proc = subprocess.run(
         [sys.executable, "-m", "grpo_nb", "rollouts", "--smoke", "--model", str(tiny_model_dir),
-         "--groups", "4", "--group-size", "4"],
+         "--attach", vllm_server.url, "--groups", "4", "--group-size", "4"],
         capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -129,4 +128,4 @@ def test_cli_prints_json_last_and_leaves_no_server(tiny_model_dir):
     assert 0.0 < result["accuracy"] < 1.0  # warm start ≈ 30 %: 16 samples are not all 0 or 1
     assert result["tokens_per_s"] > 0 and result["failed_requests"] == 0
     assert result["max_abs_logprob_diff"] < LOGPROB_TOLERANCE
-    assert not find_server_processes([result["server_id"]]), "the CLI left vLLM running"
+    assert vllm_server.healthy()  # attached: the CLI must not stop a server it did not start

@@ -654,3 +654,12 @@ def vllm_server_tokens(url: str) -> float:
         text = resp.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_eager_is_a_field_not_an_extra_arg(tmp_path):
+    cfg = ServerConfig(model="m", log_dir=tmp_path)
+    assert "--enforce-eager" not in cfg.command(8000, gpu=False)  # compiled by default
+    cfg.eager = True
+    assert "--enforce-eager" in cfg.command(8000, gpu=False)
+    with pytest.raises(ValueError, match="ServerConfig.eager"):
+        ServerConfig(model="m", extra_args=["--enforce-eager"])

@@ -13,7 +13,6 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -199,21 +198,6 @@ def test_gloo_group_listens_on_loopback_only() -> None:
 # ── against a real server ──
 
 
-@pytest.fixture(scope="module")
-def sync_server(random_model_dir: Path) -> Iterator[object]:
-    pytest.importorskip("vllm")
-    from grpo_nb.serving.server import ServerConfig, VLLMServer
-
-    cfg = ServerConfig.smoke(random_model_dir)
-    for key, value in WeightSyncConfig().server_settings().items():
-        setattr(cfg, key, value)
-    server = VLLMServer(cfg).start(progress=False)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _fresh_model(model_dir: Path):
     from grpo_nb.tiny_model import load_hf
 
@@ -233,10 +217,10 @@ def _greedy(server, prompt: list[int], n: int = 3) -> tuple[list[int], list[floa
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["gloo", "reload"])
-def test_sync_sets_version_and_server_serves_new_weights(sync_server, random_model_dir,
+def test_sync_sets_version_and_server_serves_new_weights(ring_server, random_model_dir,
                                                           transport: str) -> None:
     model = _fresh_model(random_model_dir)
-    with WeightSyncer(sync_server.url, model, WeightSyncConfig(transport=transport)) as syncer:
+    with WeightSyncer(ring_server.url, model, WeightSyncConfig(transport=transport)) as syncer:
         syncer.sync(1)  # start from the file's weights, whatever an earlier test left there
         assert syncer.weight_gap() < 1e-4
         with torch.no_grad():
@@ -259,34 +243,34 @@ def test_sync_sets_version_and_server_serves_new_weights(sync_server, random_mod
         with torch.no_grad():
             model.lm_head.weight.zero_()
         syncer.sync(8)
-        ids, logps = _greedy(sync_server, [5, 6, 7])
+        ids, logps = _greedy(ring_server, [5, 6, 7])
         vocab = model.config.vocab_size
         assert ids == [0, 0, 0]
         assert all(math.isclose(lp, -math.log(vocab), abs_tol=1e-4) for lp in logps)
         syncer.sync(9)  # the extension keeps working across many syncs
     restore = _fresh_model(random_model_dir)
-    with WeightSyncer(sync_server.url, restore, WeightSyncConfig(transport=transport)) as s:
+    with WeightSyncer(ring_server.url, restore, WeightSyncConfig(transport=transport)) as s:
         s.sync(10)
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
-def test_every_pause_mode_syncs(sync_server, random_model_dir, mode: str) -> None:
+def test_every_pause_mode_syncs(ring_server, random_model_dir, mode: str) -> None:
     model = _fresh_model(random_model_dir)
-    with WeightSyncer(sync_server.url, model, WeightSyncConfig(pause_mode=mode)) as syncer:
+    with WeightSyncer(ring_server.url, model, WeightSyncConfig(pause_mode=mode)) as syncer:
         assert syncer.sync(20).verified is True
-    assert sync_server.is_running()
+    assert ring_server.is_running()
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_failed_sync_raises_and_keeps_version(sync_server, random_model_dir) -> None:
+def test_failed_sync_raises_and_keeps_version(ring_server, random_model_dir) -> None:
     model = _fresh_model(random_model_dir)
     # The server runs the gloo engine: asking it for NCCL must fail loudly, not print.
     with pytest.raises(WeightSyncError):
-        WeightSyncer(sync_server.url, model, WeightSyncConfig(transport="nccl")).connect()
-    syncer = WeightSyncer(sync_server.url, model, WeightSyncConfig(transport="reload"))
+        WeightSyncer(ring_server.url, model, WeightSyncConfig(transport="nccl")).connect()
+    syncer = WeightSyncer(ring_server.url, model, WeightSyncConfig(transport="reload"))
     syncer.sync(30)
     syncer.client.base_url = "http://127.0.0.1:9"  # the server "vanishes"
     with pytest.raises(WeightSyncError):
@@ -294,7 +278,7 @@ def test_failed_sync_raises_and_keeps_version(sync_server, random_model_dir) -> 
     assert syncer.version == 30
     syncer.close()
     # Generation still runs (the failure came before /pause reached the real server).
-    assert not VLLMControlClient(sync_server.url).is_paused()
+    assert not VLLMControlClient(ring_server.url).is_paused()
 
 
 class _FaultySource:
@@ -322,10 +306,10 @@ class _FaultySource:
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["raise", "rename"])
-def test_failure_mid_transfer_keeps_server_paused_until_a_resend(sync_server, random_model_dir,
+def test_failure_mid_transfer_keeps_server_paused_until_a_resend(ring_server, random_model_dir,
                                                                  mode: str) -> None:
     model = _fresh_model(random_model_dir)
-    with WeightSyncer(sync_server.url, model, WeightSyncConfig(timeout_s=20)) as syncer:
+    with WeightSyncer(ring_server.url, model, WeightSyncConfig(timeout_s=20)) as syncer:
         syncer.sync(40)
         with torch.no_grad():
             for p in model.parameters():

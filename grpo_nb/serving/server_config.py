@@ -58,6 +58,10 @@ class ServerConfig:
         cpus: the cores of the whole server tree (see :mod:`grpo_nb.partition`): ``"auto"``
             (the plan's: on a CPU-only machine with ≥ 2 cores the last core, else unpinned),
             ``"off"``, or core ids (``[1]``, ``"2-3"``). Resolved at start.
+        eager: ``--enforce-eager`` (no ``torch.compile``, no CUDA graphs). Off by default:
+            on a 2-core CPU with the tiny model, eager started 24 % sooner (48 vs 63 s, warm
+            compile cache) but generated 31–37 % fewer tokens/s
+            (``python benchmarks/server_compile.py``), so it pays only for short runs.
     """
 
     model: str = ""
@@ -78,6 +82,7 @@ class ServerConfig:
     worker_extension_cls: str | None = None
     weight_transfer_config: dict[str, Any] | None = None
     cpus: str | list[int] = "auto"
+    eager: bool = False
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -99,10 +104,11 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.startup_timeout={self.startup_timeout}: must be > 0")
         if not all(isinstance(a, str) for a in self.extra_args):
             raise ValueError(f"ServerConfig.extra_args={self.extra_args!r}: strings only")
-        for flag in ("--host", "--api-key"):
+        for flag, name in (("--host", "host"), ("--api-key", "api_key"),
+                           ("--enforce-eager", "eager")):
             if any(a.split("=")[0] == flag for a in self.extra_args):
-                raise ValueError(f"ServerConfig.extra_args has {flag}: set ServerConfig."
-                                 f"{flag[2:].replace('-', '_')} instead (it is checked there)")
+                raise ValueError(f"ServerConfig.extra_args has {flag}: set ServerConfig.{name}"
+                                 " instead (it is checked there)")
         check_spec(self.cpus, "ServerConfig.cpus")
         if "VLLM_API_KEY" in self.env:
             raise ValueError("ServerConfig.env has VLLM_API_KEY: set ServerConfig.api_key")
@@ -144,6 +150,8 @@ class ServerConfig:
         kv = self.kv_cache_bytes if self.kv_cache_bytes is not None else (None if gpu else 64 << 20)
         if kv is not None:
             cmd += ["--kv-cache-memory-bytes", str(kv)]
+        if self.eager:
+            cmd += ["--enforce-eager"]
         if self.worker_extension_cls:
             cmd += ["--worker-extension-cls", self.worker_extension_cls]
         if self.weight_transfer_config is not None:
