@@ -3,10 +3,11 @@
     tiny model (SFT warm start) ─► one vLLM server per partition setting (+ gloo engine)
         ├─ train(mode="async", steps=N) ─┐  per mode, from the run's metric rows:
         └─ train(mode="sync",  steps=N) ─┴► loop_s (first step's start → last step's end),
-                                            per step: wait (trainer idle = generation it
-                                            could not hide), train, sync, gen_busy
+                                            per steady step (grpo_nb.llm.cost): wait (trainer
+                                            idle = generation it could not hide), train, sync
     ─► one JSON line: both modes, ``speedup_async`` = sync loop_s / async loop_s, and the
-       overlap bound (G + T + S) / max(G, T + S) from the sync run's phase times.
+       overlap bound (G + T + S) / max(G, T + S) and the paused-server model's
+       (G + T + S) / (max(G, T) + S), from the sync run's phase times.
 
 ``--partition on`` pins the server tree to its own core(s) and this process (controller and
 trainer) to the others (:mod:`grpo_nb.partition`); ``off`` leaves both unpinned; ``both`` runs
@@ -25,60 +26,35 @@ from pathlib import Path
 from typing import Any
 
 
-def _union(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Total length covered by ``intervals`` inside ``[lo, hi]``."""
-    total, end = 0.0, lo
-    for a, b in sorted(intervals):
-        a, b = max(a, end), min(b, hi)
-        if b > a:
-            total, end = total + b - a, b
-    return total
-
-
 def phases(run_dir: str | Path) -> dict[str, Any]:
-    """Per-step phase times of the training loop, from ``metrics.jsonl``.
+    """The training loop's wall time and its steady steps' phases (:mod:`grpo_nb.llm.cost`)."""
+    from grpo_nb.llm.cost import loop_seconds, step_phases
+    from grpo_nb.metrics import load_metrics
 
-    The loop runs from the first step's start to the last step's end (setup, first sync and
-    eval, and the end phase are excluded). In it the trainer is busy training, syncing or
-    evaluating, and otherwise waits for groups: that wait is the generation time it could
-    not overlap (in sync mode, all of it)."""
-    rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["kind"] == "step"]
-    if not steps:
-        return {"steps": 0}
-    lo = steps[0]["t"] - steps[0]["wall_s"]  # the loop's t0 on the recorder's clock
-    hi = steps[-1]["t"]
-    busy = [r for r in rows if r["kind"] == "busy"]
-    trainer = {label: _union([(r["start"], r["end"]) for r in busy
-                              if r["actor"] == "trainer" and r["label"] == label], lo, hi)
-               for label in ("train", "sync", "eval")}
-    gen = _union([(r["start"], r["end"]) for r in busy if r["label"] == "generate"], lo, hi)
-    n, loop = len(steps), hi - lo
-    per = {"wait": (loop - sum(trainer.values())) / n, "train": trainer["train"] / n,
-           "sync": trainer["sync"] / n, "eval": trainer["eval"] / n, "gen_busy": gen / n}
-    return {"steps": n, "loop_s": round(loop, 2), "step_s": round(loop / n, 3),
-            "per_step_s": {k: round(v, 3) for k, v in per.items()}}
+    rows = load_metrics(run_dir).rows()
+    steps = len([r for r in rows if r["kind"] == "step"])
+    if steps < 3:
+        return {"steps": steps}
+    p = step_phases(rows)
+    per = {"wait": p.wait, "train": p.train, "sync": p.sync, "generate": p.generate}
+    return {"steps": steps, "loop_s": round(loop_seconds(rows), 2), "step_s": round(p.step, 3),
+            "per_step_s": {k: round(v, 3) for k, v in per.items()}, "cost": p}
 
 
-def bound(sync_phases: dict[str, Any], sync_every: int = 1) -> dict[str, float]:
-    """What overlap can give with the sync run's phase times G, T, S (per step).
+def bound(sync_run: Any) -> dict[str, float]:
+    """What overlap can give with the sync run's phases G, T, S (:func:`grpo_nb.llm.cost.predict`):
+    ``overlap_bound`` = (G + T + S) / max(G, T + S); a sync pauses the server, so this ring's
+    async step is max(G, T) + S and ``paused_bound`` is what remains."""
+    from grpo_nb.llm.cost import predict
 
-    ``overlap_bound`` = (G + T + S) / max(G, T + S): generation hidden behind training and
-    syncing. But a sync pauses the server, so generation cannot run during it either: the
-    cost model's async step is max(G, T) + S/sync_every, and ``paused_bound`` is what
-    remains."""
-    p = sync_phases["per_step_s"]
-    g, t, s = p["wait"], p["train"], p["sync"]
-    s_async = s / sync_every
-    paused = max(g, t) + s_async
-
-    def ratio(a: float, b: float) -> float:
-        return round(a / b, 2) if b > 0 else 1.0
-
-    return {"G": g, "T": t, "S": s, "predicted_sync_step_s": round(g + t + s, 3),
-            "predicted_async_step_s": round(paused, 3),
-            "overlap_bound": ratio(g + t + s, max(g, t + s)),
-            "paused_bound": ratio(g + t + s, paused)}
+    if sync_run is None:  # too few steps to model
+        return {}
+    pr = predict(sync_run)
+    return {"G": round(pr.G, 3), "T": round(pr.T, 3), "S": round(pr.S, 3),
+            "predicted_sync_step_s": round(pr.sync_step, 3),
+            "predicted_async_step_s": round(pr.async_step, 3),
+            "overlap_bound": round(pr.overlap_bound, 2),
+            "paused_bound": round(pr.model_speedup, 2)}
 
 
 async def _pair(model_dir: str, base: Any, pin: bool, stamp: str) -> dict[str, Any]:
@@ -91,20 +67,23 @@ async def _pair(model_dir: str, base: Any, pin: bool, stamp: str) -> dict[str, A
     server.cfg.cpus = list(plan.server_cpus) if plan.active else "off"
     await server.start_async()
     out: dict[str, Any] = {"plan": plan.describe(), "server_cpus": server.cpus}
+    costs: dict[str, Any] = {}  # per mode: grpo_nb.llm.cost.StepPhases
     try:
         with partition.pinned(plan):
             for mode in ("async", "sync"):
                 res = await train(base.replace(mode=mode), model_dir=model_dir, server=server,
                                   name=f"bench-{mode}-{'pin' if pin else 'nopin'}-{stamp}",
                                   progress=False)
+                measured = phases(res.run_dir)
+                costs[mode] = measured.pop("cost", None)
                 out[mode] = {"wall_s": res.wall_s, "accuracy_after": res.accuracy_after,
                              "staleness_mean": res.staleness_mean,
-                             "sync_ms_mean": res.sync_ms_mean, **phases(res.run_dir)}
+                             "sync_ms_mean": res.sync_ms_mean, **measured}
     finally:
         await asyncio.to_thread(server.stop)
     out["speedup_async"] = round(out["sync"]["loop_s"] / out["async"]["loop_s"], 2)
     out["speedup_whole_run"] = round(out["sync"]["wall_s"] / out["async"]["wall_s"], 2)
-    out["bound"] = bound(out["sync"], base.sync_every)
+    out["bound"] = bound(costs["sync"])
     out["async_step_s_measured"] = out["async"]["step_s"]
     return out
 

@@ -1,0 +1,118 @@
+"""A cost model of one GRPO step, checked against a run's own metric rows.
+
+Per step the ring generates (G), trains (T) and syncs (S). In sync mode they alternate, so
+a step costs G + T + S. In async mode generation overlaps training, but every sync pauses the
+server (``pause_mode="keep"`` freezes requests in flight), so S is on both timelines::
+
+    server  : ──generate (G)──┤ paused (S) ├──generate──…
+    trainer : ─wait─┤train (T)├ sync (S)   ├─wait─┤train…      step ≈ max(G, T) + S
+
+``overlap_bound`` = (G + T + S) / max(G, T + S) is the most any overlap could give (a sync
+that did not stop generation); ``model_speedup`` = (G + T + S) / (max(G, T) + S) is this ring's.
+
+Only ``step``, ``sync``, ``eval`` and ``skipped`` rows are read, so a recorded run (whose
+``busy`` rows are trimmed) gives the same numbers as the live one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from statistics import fmean
+from typing import Any
+
+Row = Mapping[str, Any]
+_KINDS = ("step", "sync", "eval", "skipped")  # the rows the model reads
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """Mean per-step times (seconds) over a run's steady steps.
+
+    ``step`` is the measured time between consecutive step rows; in it the trainer waits for
+    groups (``wait``), trains (``train``) and syncs (``sync``, 0 in a step without a sync), so
+    ``wait = step − train − sync``. ``generate`` is timed by the generators' clock instead: from
+    the first request of the step's groups until the trainer had them all (the largest group
+    ``age_s`` minus ``train``). It is the generation time G only in sync mode, where a step's
+    groups are requested after the previous sync; in async mode they were requested earlier
+    and sat ready in a queue."""
+
+    steps: int
+    step: float
+    wait: float
+    train: float
+    sync: float
+    generate: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Step times (seconds) and speed-ups predicted from sync-mode phases G, T, S."""
+
+    G: float
+    T: float
+    S: float
+    sync_step: float
+    async_step: float
+    overlap_bound: float
+    model_speedup: float
+
+
+def steady_intervals(rows: Iterable[Row], checkpoint_every: int | None = None
+                     ) -> list[dict[str, float]]:
+    """One dict per steady step: ``step``, ``train``, ``sync``, ``generate`` (seconds).
+
+    Step k's interval runs from step k−1's row to step k's. Left out: step 1 (no sync before
+    it, nothing to overlap yet) and any interval holding an eval, a skipped step or a
+    checkpoint (after step k−1 when ``checkpoint_every`` divides k−1): none of them is part of
+    the step being modelled."""
+    rows = sorted((r for r in rows if r["kind"] in _KINDS), key=lambda r: r["t"])
+    steps = [r for r in rows if r["kind"] == "step"]
+    out: list[dict[str, float]] = []
+    for prev, cur in zip(steps, steps[1:], strict=False):
+        inside = [r for r in rows if prev["t"] < r["t"] <= cur["t"]]
+        if any(r["kind"] in ("eval", "skipped") for r in inside):
+            continue
+        if checkpoint_every and prev["step"] % checkpoint_every == 0:
+            continue
+        sync = sum(r["ms"] for r in inside if r["kind"] == "sync") / 1000.0
+        train = float(cur["train_s"])
+        out.append({"step": cur["t"] - prev["t"], "train": train, "sync": sync,
+                    "generate": max(cur["age_s"]) - train})
+    return out
+
+
+def step_phases(rows: Iterable[Row], checkpoint_every: int | None = None) -> StepPhases:
+    """The mean of :func:`steady_intervals` (``ValueError`` when a run has none)."""
+    ivs = steady_intervals(rows, checkpoint_every)
+    if not ivs:
+        raise ValueError("no steady step in these rows: a run needs at least 2 steps outside "
+                         "evals and checkpoints")
+
+    def mean(key: str) -> float:
+        return fmean(iv[key] for iv in ivs)
+
+    step, train, sync = mean("step"), mean("train"), mean("sync")
+    return StepPhases(steps=len(ivs), step=step, wait=step - train - sync, train=train,
+                      sync=sync, generate=mean("generate"))
+
+
+def predict(sync_run: StepPhases) -> Prediction:
+    """Both modes' step times from the sync run's phases, where each is timed alone.
+
+    G is the sync run's ``generate``; S its mean sync per step (with ``sync_every = k``,
+    one step in k carries a sync, so S is already divided by k)."""
+    g, t, s = sync_run.generate, sync_run.train, sync_run.sync
+    sync_step, async_step = g + t + s, max(g, t) + s
+    return Prediction(G=g, T=t, S=s, sync_step=sync_step, async_step=async_step,
+                      overlap_bound=sync_step / max(g, t + s),
+                      model_speedup=sync_step / async_step)
+
+
+def loop_seconds(rows: Iterable[Row]) -> float:
+    """The training loop's wall time: the first step's start to the last step's end
+    (setup, the first sync and eval, and the end phase are outside it)."""
+    steps = [r for r in rows if r["kind"] == "step"]
+    if not steps:
+        return 0.0
+    return steps[-1]["t"] - (steps[0]["t"] - steps[0]["wall_s"])

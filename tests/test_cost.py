@@ -1,0 +1,131 @@
+"""The step cost model (grpo_nb.llm.cost) on synthetic metric rows: no server, no torch.
+
+Every expected value below is worked out by hand from the rows written in the test."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import pytest
+
+from grpo_nb.llm.cost import loop_seconds, predict, steady_intervals, step_phases
+
+
+def step(t: float, n: int, train: float, age: list[float], wall: float = 0.0) -> dict[str, Any]:
+    return {"kind": "step", "t": t, "step": n, "train_s": train, "age_s": age, "wall_s": wall}
+
+
+def sync(t: float, n: int, ms: float) -> dict[str, Any]:
+    return {"kind": "sync", "t": t, "step": n, "ms": ms}
+
+
+def sync_run() -> list[dict[str, Any]]:
+    """Four steps; step 4's interval holds an eval."""
+    return [
+        {"kind": "sync", "t": 8.0, "step": 0, "ms": 500.0},  # before the loop: never counted
+        step(10.0, 1, 0.2, [1.0, 0.9], wall=1.0),
+        sync(10.1, 1, 100.0),
+        step(11.0, 2, 0.3, [0.8, 0.7]),       # 1.0 s: train .3, sync .1, generate .8 − .3 = .5
+        {"kind": "busy", "t": 11.1, "actor": "gen0", "label": "generate", "start": 11, "end": 11.1},
+        sync(11.2, 2, 200.0),
+        step(12.5, 3, 0.4, [1.0, 0.2]),       # 1.5 s: train .4, sync .2, generate 1.0 − .4 = .6
+        sync(12.6, 3, 100.0),
+        {"kind": "eval", "t": 13.0, "step": 3, "accuracy": 0.5},
+        step(14.0, 4, 0.3, [0.9]),            # holds the eval: left out
+    ]
+
+
+def test_steady_intervals_by_hand() -> None:
+    ivs = steady_intervals(sync_run())
+    assert [round(iv["step"], 9) for iv in ivs] == [1.0, 1.5]
+    assert [iv["train"] for iv in ivs] == [0.3, 0.4]
+    assert [iv["sync"] for iv in ivs] == [0.1, 0.2]
+    assert [round(iv["generate"], 9) for iv in ivs] == [0.5, 0.6]
+
+
+def test_step_phases_means_and_wait() -> None:
+    p = step_phases(sync_run())
+    assert p.steps == 2
+    assert p.step == pytest.approx(1.25)
+    assert p.train == pytest.approx(0.35)
+    assert p.sync == pytest.approx(0.15)
+    assert p.generate == pytest.approx(0.55)
+    assert p.wait == pytest.approx(1.25 - 0.35 - 0.15)  # 0.75: the trainer's idle time
+
+
+def test_row_order_and_busy_rows_do_not_matter() -> None:
+    rows = sync_run()
+    shuffled = rows[:]
+    random.Random(0).shuffle(shuffled)
+    without_busy = [r for r in rows if r["kind"] != "busy"]
+    assert step_phases(shuffled) == step_phases(rows) == step_phases(without_busy)
+
+
+def test_predict_generation_bound() -> None:
+    """G = .55 > T = .35: async step = G + S = .70; sync step = .55 + .35 + .15 = 1.05."""
+    pr = predict(step_phases(sync_run()))
+    phases = (pr.G, pr.T, pr.S)
+    assert phases == pytest.approx((0.55, 0.35, 0.15))
+    assert pr.sync_step == pytest.approx(1.05)
+    assert pr.async_step == pytest.approx(0.70)
+    assert pr.overlap_bound == pytest.approx(1.05 / 0.55)   # max(G, T + S) = max(.55, .50)
+    assert pr.model_speedup == pytest.approx(1.5)            # 1.05 / .70
+
+
+def test_predict_training_bound() -> None:
+    """G = .2 < T = .5, S = .1: the trainer sets the pace, sync is on its timeline either
+    way, so the paused-server model and the overlap bound agree: .8 / .6."""
+    rows = [step(0.0, 1, 0.5, [0.9]), sync(0.55, 1, 100.0), step(0.8, 2, 0.5, [0.7])]
+    p = step_phases(rows)
+    measured = (p.step, p.train, p.sync, p.generate)
+    assert measured == pytest.approx((0.8, 0.5, 0.1, 0.2))
+    pr = predict(p)
+    assert pr.async_step == pytest.approx(0.6)
+    assert pr.overlap_bound == pytest.approx(pr.model_speedup) == pytest.approx(0.8 / 0.6)
+
+
+@pytest.mark.parametrize(("g", "t", "s"), list(itertools.product((0.1, 0.5, 2.0), repeat=3)))
+def test_model_never_beats_overlap_bound_or_2x(g: float, t: float, s: float) -> None:
+    """A paused server only takes away from overlap, and overlap hides at most the shorter
+    of two phases: 1 < model speed-up ≤ overlap bound ≤ 2."""
+    rows = [step(0.0, 1, t, [g + t]), sync(t + s / 2, 1, 1000 * s),
+            step(g + t + s, 2, t, [g + t])]
+    pr = predict(step_phases(rows))
+    assert pr.sync_step == pytest.approx(g + t + s)
+    assert 1 < pr.model_speedup <= pr.overlap_bound + 1e-12 <= 2 + 1e-12
+
+
+def test_sync_every_two_halves_s() -> None:
+    """A sync only after even steps: one interval in two carries it, S = 0.2 / 2."""
+    rows = [step(0.0, 1, 0.1, [0.5]), step(0.5, 2, 0.1, [0.5]), sync(0.7, 2, 200.0),
+            step(1.2, 3, 0.1, [0.4]), step(1.7, 4, 0.1, [0.5]), sync(1.9, 4, 200.0),
+            step(2.4, 5, 0.1, [0.4])]
+    p = step_phases(rows)
+    assert p.steps == 4
+    assert p.sync == pytest.approx(0.1)
+    assert p.step == pytest.approx(0.6)  # (0.5 + 0.7 + 0.5 + 0.7) / 4
+
+
+def test_checkpoints_and_skipped_steps_are_left_out() -> None:
+    rows = [step(0.0, 1, 0.1, [0.5]), step(1.0, 2, 0.1, [0.5]),
+            step(9.0, 3, 0.1, [0.5]),                      # after step 2's checkpoint
+            {"kind": "skipped", "t": 9.5, "step": 3},
+            step(12.0, 4, 0.1, [0.5]),                     # holds a skipped step: always out
+            step(12.5, 5, 0.1, [0.5]),                     # after step 4's checkpoint
+            step(13.0, 6, 0.1, [0.5])]
+    assert [iv["step"] for iv in steady_intervals(rows)] == [1.0, 8.0, 0.5, 0.5]
+    assert step_phases(rows).step == pytest.approx(2.5)
+    assert [iv["step"] for iv in steady_intervals(rows, checkpoint_every=2)] == [1.0, 0.5]
+
+
+def test_too_few_steps_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no steady step"):
+        step_phases([step(0.0, 1, 0.1, [0.5])])
+
+
+def test_loop_seconds() -> None:
+    """From step 1's start (t − wall_s = 10 − 1) to the last step's row (14)."""
+    assert loop_seconds(sync_run()) == pytest.approx(5.0)
+    assert loop_seconds([]) == 0.0
