@@ -136,6 +136,20 @@ def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *
     return _split(allowed, chosen, f"{field}={spec}")
 
 
+def beside(server_cpus: Sequence[int] | None) -> Plan:
+    """The trainer's side of a server tree already pinned to ``server_cpus``: the other cores
+    this process may use. No partition when the server is not pinned (``None``: it runs on a
+    GPU, on one core, or with ``cpus="off"``) or when no core is left beside it."""
+    if not server_cpus:
+        return Plan(None, None, None, "the server tree is not pinned")
+    trainer = tuple(c for c in available_cpus() if c not in set(server_cpus))
+    if not trainer:
+        return Plan(None, None, None, f"no core left beside the server's "
+                                      f"{format_cpus(server_cpus)}")
+    return _split(tuple(sorted({*trainer, *server_cpus})), tuple(sorted(server_cpus)),
+                  f"beside the server tree on {format_cpus(server_cpus)}")
+
+
 def _split(allowed: tuple[int, ...], server: tuple[int, ...], why: str) -> Plan:
     trainer = tuple(c for c in allowed if c not in server)
     return Plan(tuple(server), trainer, len(trainer), why)

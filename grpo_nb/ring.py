@@ -18,7 +18,9 @@ the rest, once:
 - :class:`Source` / :class:`Relay` / :class:`Sink` — the three positions in the pipeline and
   the two-phase shutdown: the trainer calls ``drain`` on every generator, each sends one
   ``None``; a relay forwards one ``None`` once it has seen one from each of its ``upstream``
-  senders; the trainer discards what is still queued (:meth:`Sink.discard_queued`).
+  senders; the trainer discards what is still queued (:meth:`Sink.discard_queued`). Every
+  wait of that end on a peer is bounded (``Sink.finish_timeout_s``): a stage that died or
+  never sends its ``None`` ends the run with a :class:`RingError` naming it, never a hang.
 - :class:`Controller` — spawn the stages (on asyncio or on real Monarch processes), relay their
   events into a :class:`~grpo_nb.metrics.MetricsRecorder`, race that against watchers (a dead
   server, a Stop button), and always stop every mesh.
@@ -57,6 +59,13 @@ class Event:
 
 class RingError(RuntimeError):
     """A ring actor failed; the message carries its name and traceback."""
+
+
+FINISH_TIMEOUT_S = 60.0  # default bound on each wait for a peer while a ring finishes
+
+
+async def _awaited(fut: Any) -> Any:
+    return await fut  # a runtime's Future as a coroutine (asyncio.wait/wait_for need one)
 
 
 async def cancel_task(task: asyncio.Task | None, *, quiet: bool = False) -> None:
@@ -146,7 +155,16 @@ class Source(Stage):
 
 
 class Sink(Stage):
-    """A stage with an inlet: other stages send to the port it returns."""
+    """A stage with an inlet: other stages send to the port it returns.
+
+    Its finish path waits on peers that may have died, so every such wait is bounded by
+    ``finish_timeout_s`` (``timeout_field`` names where that value was set, for the error):
+    a dead or stuck peer ends the run with a :class:`RingError` that names it, not a hang.
+    """
+
+    finish_timeout_s: float = FINISH_TIMEOUT_S
+    timeout_field = "finish_timeout_s"
+    sender = "upstream"  # who feeds the inlet, for error messages
 
     def open_inlet(self) -> None:
         self.port, self.inbox = Channel.open()
@@ -155,10 +173,44 @@ class Sink(Stage):
     async def inlet(self) -> Any:
         return self.port
 
+    async def drain_sources(self, sources: Any, count: int, prefix: str = "gen") -> None:
+        """Call ``drain`` on each of the ``count`` sources (rank ``r`` is ``{prefix}{r}``),
+        all at once; one that has not answered within ``finish_timeout_s`` is named."""
+        calls = {f"{prefix}{r}": asyncio.ensure_future(
+            _awaited(sources.slice(gpus=r).drain.call_one())) for r in range(count)}
+        t0 = time.monotonic()
+        done, late = await asyncio.wait(calls.values(), timeout=self.finish_timeout_s)
+        for task in late:
+            await cancel_task(task, quiet=True)
+        if late:
+            names = ", ".join(name for name, task in calls.items() if task in late)
+            raise RingError(
+                f"{self.name}: {names} did not finish draining within "
+                f"{time.monotonic() - t0:.1f} s ({self.timeout_field}={self.finish_timeout_s:g}):"
+                " a source that does not answer drain died or is stuck, and the ring cannot end "
+                "without its end of stream")
+        for task in done:
+            task.result()  # a drain that failed: its error, as it is
+
+    async def recv_within(self, waiting: str, pending: Awaitable[Any] | None = None) -> Any:
+        """The next message (or ``pending``, a receive already under way), within
+        ``finish_timeout_s``; else :class:`RingError` naming the silent peer and ``waiting``
+        (what this stage was waiting for)."""
+        t0 = time.monotonic()
+        try:
+            return await asyncio.wait_for(
+                _awaited(pending if pending is not None else self.inbox.recv()),
+                self.finish_timeout_s)
+        except TimeoutError:
+            raise RingError(
+                f"{self.name}: nothing from {self.sender} for {time.monotonic() - t0:.1f} s "
+                f"({self.timeout_field}={self.finish_timeout_s:g}) while waiting for {waiting}: "
+                f"{self.sender} died or never sent the end of the stream (None)") from None
+
     async def discard_queued(self) -> int:
         """After the sources were drained: read up to the ``None`` and count what was left."""
         left = 0
-        while await self.inbox.recv() is not None:
+        while await self.recv_within(f"the end of the stream ({left} discarded)") is not None:
             left += 1  # produced but never trained on: the price of running ahead
         return left
 
@@ -174,13 +226,25 @@ class Relay(Sink):
     label = "work"
 
     @endpoint
-    async def start(self, out: Any) -> None:
+    async def start(self, out: Any, finish_timeout_s: float | None = None,
+                    timeout_field: str | None = None) -> None:
+        """Start relaying into ``out``; ``finish_timeout_s`` (default: the class's) bounds the
+        wait for the remaining senders once the first has ended its stream; ``timeout_field``
+        names the setting it came from in the error."""
+        if finish_timeout_s is not None:
+            self.finish_timeout_s = finish_timeout_s
+        if timeout_field is not None:
+            self.timeout_field = timeout_field
         self.launch(self._relay(out))
 
     async def _relay(self, out: Any) -> None:
         ended = 0
         while ended < self.upstream:
-            msg = await self.inbox.recv()
+            # Once one sender has ended, the others are being drained too: one that stays
+            # silent is dead or stuck, and waiting for it for ever would hang the ring's end.
+            msg = await (self.recv_within(f"{self.upstream - ended} more end(s) of stream "
+                                          f"({ended} of {self.upstream} senders ended)")
+                         if ended else self.inbox.recv())
             if msg is None:
                 ended += 1
                 continue
@@ -194,10 +258,6 @@ class Relay(Sink):
     async def process(self, msg: Any) -> Any:
         """What this stage does to one message (returns the message to forward)."""
         raise NotImplementedError
-
-
-async def _awaited(fut: Any) -> Any:
-    return await fut
 
 
 class Controller:

@@ -102,3 +102,55 @@ def test_started_server_tree_runs_on_the_planned_cores(vllm_server):
         env = f.read().split(b"\0")
     assert f"VLLM_CPU_OMP_THREADS_BIND={format_cpus(want)}".encode() in env
     assert partition.available_cpus() == mine
+
+
+# ── the LLM ring's trainer side (no vLLM: a stand-in server that only has .cpus) ──
+
+
+def test_beside_gives_the_trainer_the_cores_the_server_leaves():
+    mine = partition.available_cpus()
+    if len(mine) < 2:
+        pytest.skip("needs 2 cores")
+    p = partition.beside([mine[-1]])
+    assert (p.server_cpus, p.trainer_cpus, p.trainer_threads) == ((mine[-1],), mine[:-1],
+                                                                  len(mine) - 1)
+    assert not partition.beside(None).active and not partition.beside(mine).active
+
+
+def test_llm_ring_pins_this_process_during_the_run_and_restores_it_even_on_error():
+    """What :func:`grpo_nb.llm.run.run_ring` wraps the ring in: the trainer's cores (beside
+    the server tree's) and its torch threads during, everything as before after, also when
+    the run raises; no pinning for an unpinned server ("off") or a trainer of its own."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from grpo_nb.llm.config import LLMConfig
+    from grpo_nb.llm.run import trainer_cores
+
+    mine = partition.available_cpus()
+    if len(mine) < 2:
+        pytest.skip("needs 2 cores")
+    cfg, server = LLMConfig(device="cpu"), SimpleNamespace(cpus=(mine[-1],))
+
+    def run(fail: bool) -> None:
+        with trainer_cores(cfg, server, "asyncio") as p:
+            assert p.active and partition.available_cpus() == mine[:-1]
+            assert torch.get_num_threads() == len(mine) - 1
+            if fail:
+                raise RuntimeError("the run failed")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(mine) + 1)  # not what the plan sets: restoring it shows
+    try:
+        run(False)
+        assert partition.available_cpus() == mine and torch.get_num_threads() == len(mine) + 1
+        with pytest.raises(RuntimeError, match="the run failed"):
+            run(True)
+        assert partition.available_cpus() == mine and torch.get_num_threads() == len(mine) + 1
+    finally:
+        torch.set_num_threads(threads)
+    for srv, backend in ((SimpleNamespace(cpus=None), "asyncio"), (server, "monarch"),
+                         (object(), "asyncio")):
+        with trainer_cores(cfg, srv, backend) as p:
+            assert not p.active and partition.available_cpus() == mine

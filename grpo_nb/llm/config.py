@@ -36,6 +36,9 @@ class LLMConfig:
         sync_every: push weights to the server every k optimiser steps.
         verify_every: prove the served weights equal the trainer's every k syncs (and always
             at the first and the last sync).
+        finish_timeout_s: at the end of a run, how long each wait on a peer (a generator's
+            drain, the next message of the stage before) may last; a peer that died or hangs
+            then ends the run with an error naming it, instead of hanging it.
     Batch and objective
         prompts_per_step × group_size samples per step; ``grad_accum`` micro-batches.
         lr, weight_decay, max_grad_norm: AdamW and gradient clipping.
@@ -87,6 +90,7 @@ class LLMConfig:
     ratio_against: Literal["sampler", "trainer"] = "sampler"
     dual_clip: float | None = None
     error_budget: int = 8
+    finish_timeout_s: float = 120.0
     temperature: float = 1.0
     max_tokens: int | None = None
     eval_every: int = 25
@@ -146,6 +150,9 @@ class LLMConfig:
                              "or 'trainer'")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"LLMConfig.time_budget_s={self.time_budget_s}: must be > 0")
+        if not self.finish_timeout_s > 0:  # also rejects NaN
+            raise ValueError(f"LLMConfig.finish_timeout_s={self.finish_timeout_s}: must be > 0 "
+                             "(seconds each end-of-run wait on a peer may last)")
         self._check_off_policy()
 
     def _check_off_policy(self) -> None:

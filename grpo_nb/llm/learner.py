@@ -38,6 +38,8 @@ class Trainer(Sink):
     The time budget also bounds admission (a run that only drops groups still ends). A step
     with a non-finite loss or gradient is skipped (no update, no sync), reported as a
     ``"skipped"`` row; more than ``error_budget`` of them end the run with the cause.
+    At the end, each wait on a peer (the generators' drain, the stage before) lasts at most
+    ``finish_timeout_s``; one that died is named in a :class:`RingError`, after a checkpoint.
 
     Heavy torch work runs in ``asyncio.to_thread``: the event loop keeps receiving groups and
     the generators keep their HTTP requests going while the trainer computes — that is where
@@ -45,6 +47,8 @@ class Trainer(Sink):
     """
 
     name = "trainer"
+    sender = "reference"  # the stage that feeds the inlet
+    timeout_field = "LLMConfig.finish_timeout_s"
     quiet_cancel = True  # cancelled while a worker thread computes
 
     def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
@@ -53,6 +57,7 @@ class Trainer(Sink):
         from grpo_nb.weight_sync import WeightSyncer
 
         self.cfg, self.spec = cfg, spec
+        self.finish_timeout_s = cfg.finish_timeout_s  # bounds each wait on a peer at the end
         self.attach(metrics)
         self.open_inlet()
         # Process-wide settings belong to the trainer's process (its own one on Monarch).
@@ -211,10 +216,11 @@ class Trainer(Sink):
                          {"dropped": self.dropped, "received": self.received})
 
     async def _finish(self, generators: Any) -> None:
-        await generators.drain.call()
-        pending, self.next_msg = self.next_msg, None
-        first = await pending if pending is not None else await self._receive()
-        leftover = 0 if first is None else 1 + await self.discard_queued()
+        try:
+            leftover = await self._drain(generators)
+        except RingError:
+            await asyncio.to_thread(self._checkpoint)  # a dead peer must not cost the steps
+            raise
         if self.pt.version != self.pt.step_count or self.pt.last_verified != self.pt.version:
             await self._sync(verify=True)  # the run ends on verified weights
         if self.pt.step_count % self.cfg.eval_every != 0:
@@ -223,6 +229,15 @@ class Trainer(Sink):
         self.busy.flush()  # before "exited": the controller stops listening then
         self.report("exited", actor=self.name, dropped=self.dropped, leftover=leftover,
                     steps=self.pt.step_count)
+
+    async def _drain(self, generators: Any) -> int:
+        """Drain the generators, then read up to the end of the stream: how many groups were
+        left unused. Each wait on a peer is bounded (``finish_timeout_s``): a generator or
+        stage that died raises :class:`RingError` naming it instead of hanging the run."""
+        await self.drain_sources(generators, self.cfg.generators)
+        pending, self.next_msg = self.next_msg, None
+        first = await self.recv_within("the end of the stream", pending)
+        return 0 if first is None else 1 + await self.discard_queued()
 
     async def __cleanup__(self, exc: Any) -> None:
         await super().__cleanup__(exc)

@@ -26,11 +26,12 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from grpo_nb import partition
 from grpo_nb.config import runs_dir, smoke_mode
 from grpo_nb.llm.actors import Generator, Reference, Scorer, Trainer
 from grpo_nb.llm.config import LLMConfig
@@ -40,7 +41,7 @@ from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.ring import Controller, Event, RingError
 
 __all__ = ["RunAborted", "RunResult", "ServerWatch", "run_ring", "server_for", "start_server",
-           "train"]
+           "train", "trainer_cores"]
 
 
 class RunAborted(RingError):
@@ -114,6 +115,28 @@ class ServerWatch:
         return self.describe()
 
 
+@contextlib.contextmanager
+def trainer_cores(cfg: LLMConfig, server: Any, backend: str) -> Iterator[partition.Plan]:
+    """``with trainer_cores(cfg, server, backend):`` this process runs on the cores the
+    server tree leaves free, then as before (also when the run raises).
+
+    Only where the trainer runs in this process (``backend="asyncio"``) on the CPU and the
+    server tree is pinned (``server.cpus``: ``ServerConfig.cpus`` / ``GRPO_NB_SERVER_CPUS``,
+    "auto" on a CPU-only machine with ≥ 2 cores; ``"off"`` pins neither side). Without it
+    the trainer's thread lands on the server's core half the time and both slow down.
+    """
+    from grpo_nb.llm.placement import trainer_device
+
+    if backend != "asyncio":
+        p = partition.Plan(None, None, None, "the trainer runs in a process of its own")
+    elif trainer_device(cfg) != "cpu":
+        p = partition.Plan(None, None, None, "the trainer runs on a GPU")
+    else:
+        p = partition.beside(getattr(server, "cpus", None))
+    with partition.pinned(p):
+        yield p
+
+
 async def _forward_stop(stop: asyncio.Event, trainer: Any) -> None:
     await stop.wait()
     await trainer.request_stop.call_one()
@@ -133,34 +156,45 @@ async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, serv
         raise TypeError(f"stop must be an asyncio.Event, got {type(stop).__name__}")
     watch = ServerWatch(server) if server is not None else None
     try:
-        async with Controller(backend, rec, stop_timeout_s=stop_timeout_s) as ring:
-            here = ring.procs(here=True)
-            # On Monarch the trainer gets its own process (its torch threads, its GPU).
-            own = ring.procs(1) if backend == "monarch" else here
-            trainer = ring.spawn(own, "trainer", Trainer, cfg, spec, ring.metrics)
-            scorer = ring.spawn(here, "scorer", Scorer, cfg, spec, ring.metrics)
-            reference = ring.spawn(here, "reference", Reference, cfg, spec, ring.metrics)
-            gens = ring.spawn(ring.procs(cfg.generators), "generators", Generator, cfg, spec,
-                              await scorer.inlet.call_one(), ring.metrics)
-            await trainer.start.call_one(gens)
-            await reference.start.call_one(await trainer.inlet.call_one())
-            await scorer.start.call_one(await reference.inlet.call_one())
-            await gens.start.call()
-
-            async def explain(event: Event) -> BaseException:
-                gone = await watch.gone_within() if watch is not None else None
-                return RunAborted(f"{gone + ': ' if gone else ''}ring actor "
-                                  f"{event.data['actor']} failed: {event.data['error']}\n"
-                                  f"{event.data['traceback']}")
-
-            watchers = [*([watch.died(lambda: len(rec.rows("step")))] if watch else []),
-                        *([_forward_stop(stop, trainer)] if stop is not None else [])]
-            exited = await ring.relay(
-                {"trainer"}, watchers=watchers, explain=explain,
-                on_event=None if on_event is None else lambda ev: on_event(ev.kind, rec))
+        with trainer_cores(cfg, server, backend) as plan:
+            rec.log("partition", plan=plan.describe(), active=plan.active)
+            return await _ring(cfg, spec, rec, watch, on_event, stop, backend, stop_timeout_s)
     finally:
         if watch is not None:
             watch.close()
+
+
+async def _ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, watch: ServerWatch | None,
+                on_event: Callable[[str, MetricsRecorder], None] | None,
+                stop: asyncio.Event | None, backend: str, stop_timeout_s: float) -> dict[str, Any]:
+    """The ring itself (see :func:`run_ring`)."""
+    async with Controller(backend, rec, stop_timeout_s=stop_timeout_s) as ring:
+        here = ring.procs(here=True)
+        # On Monarch the trainer gets its own process (its torch threads, its GPU).
+        own = ring.procs(1) if backend == "monarch" else here
+        trainer = ring.spawn(own, "trainer", Trainer, cfg, spec, ring.metrics)
+        scorer = ring.spawn(here, "scorer", Scorer, cfg, spec, ring.metrics)
+        reference = ring.spawn(here, "reference", Reference, cfg, spec, ring.metrics)
+        gens = ring.spawn(ring.procs(cfg.generators), "generators", Generator, cfg, spec,
+                          await scorer.inlet.call_one(), ring.metrics)
+        await trainer.start.call_one(gens)
+        ends = {"finish_timeout_s": cfg.finish_timeout_s,
+                "timeout_field": "LLMConfig.finish_timeout_s"}  # bounds the relays' end
+        await reference.start.call_one(await trainer.inlet.call_one(), **ends)
+        await scorer.start.call_one(await reference.inlet.call_one(), **ends)
+        await gens.start.call()
+
+        async def explain(event: Event) -> BaseException:
+            gone = await watch.gone_within() if watch is not None else None
+            return RunAborted(f"{gone + ': ' if gone else ''}ring actor "
+                              f"{event.data['actor']} failed: {event.data['error']}\n"
+                              f"{event.data['traceback']}")
+
+        watchers = [*([watch.died(lambda: len(rec.rows("step")))] if watch else []),
+                    *([_forward_stop(stop, trainer)] if stop is not None else [])]
+        exited = await ring.relay(
+            {"trainer"}, watchers=watchers, explain=explain,
+            on_event=None if on_event is None else lambda ev: on_event(ev.kind, rec))
     return exited["trainer"]
 
 

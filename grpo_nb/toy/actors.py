@@ -116,7 +116,7 @@ class Generator(Source):
 class Scorer(Relay):
     """Rewards each sample 1 when it picked the arm the hidden teacher prefers."""
 
-    name, label = "scorer", "score"
+    name, label, sender = "scorer", "score", "the generators"
 
     def __init__(self, cfg: ToyConfig, metrics: Any) -> None:
         self.upstream = cfg.generators  # every generator ends its stream with one None
@@ -132,7 +132,7 @@ class Scorer(Relay):
 class Reference(Relay):
     """Adds the frozen initial policy's log-probs, which the KL penalty compares against."""
 
-    name, label = "reference", "ref logp"
+    name, label, sender = "reference", "ref logp", "scorer"
 
     def __init__(self, cfg: ToyConfig, weights: dict, metrics: Any) -> None:
         self.policy = build_policy(cfg)
@@ -150,7 +150,7 @@ class Reference(Relay):
 class Trainer(Sink):
     """Takes ``groups_per_step`` groups per step, one GRPO update, then new weights out."""
 
-    name = "trainer"
+    name, sender = "trainer", "reference"
 
     def __init__(self, cfg: ToyConfig, metrics: Any) -> None:
         self.cfg = cfg
@@ -186,7 +186,8 @@ class Trainer(Sink):
             self.busy.add("train", start)
             self.report("step", **row, queue_depth=depth)
             await asyncio.sleep(0)  # let update_weights / metrics go out between steps
-        await generators.drain.call()
+        # Bounded (Sink.finish_timeout_s): a generator or stage that died is named, not waited on.
+        await self.drain_sources(generators, cfg.generators)
         self.report("exited", actor=self.name, dropped=await self.discard_queued())
 
     def _expected_reward(self) -> float:

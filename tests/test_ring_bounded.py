@@ -1,0 +1,269 @@
+"""Bounded waits at the end of a ring: a peer that died or never sends its end of stream
+(``None``) ends the run with a :class:`RingError` naming it and the time waited, never a hang.
+
+No vLLM server: the asyncio actor runtime, fake peers, the toy ring, and the LLM trainer's
+finish path on a trainer built without a model. ``pytest-timeout`` turns a hang (a bound
+removed) into a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from grpo_nb import ring
+from grpo_nb.actors import current_rank, endpoint
+from grpo_nb.ring import Controller, Relay, RingError, Sink, Source
+
+pytestmark = pytest.mark.timeout(30)
+
+BOUND = 0.3  # seconds: every test below finishes in a few of these when the bounds hold
+
+
+class Tail(Sink):
+    """A ring's last stage reduced to its finish path: drain the sources, discard the rest."""
+
+    name, sender = "tail", "fake-reference"
+    finish_timeout_s = BOUND
+
+    def __init__(self, metrics: Any) -> None:
+        self.attach(metrics)
+        self.open_inlet()
+
+    @endpoint
+    async def finish(self, sources: Any = None, count: int = 0) -> None:
+        self.launch(self._finish(sources, count))
+
+    async def _finish(self, sources: Any, count: int) -> None:
+        if sources is not None:
+            await self.drain_sources(sources, count)
+        self.report("exited", actor=self.name, left=await self.discard_queued())
+
+
+class Pass(Relay):
+    name, sender, upstream = "pass", "the fake generators", 2
+    finish_timeout_s = BOUND
+
+    def __init__(self, metrics: Any) -> None:
+        self.attach(metrics)
+        self.open_inlet()
+
+    async def process(self, msg: Any) -> Any:
+        return msg
+
+
+class FakeGen(Source):
+    """Drains like a real source, except the rank in ``hang`` never answers its drain."""
+
+    def __init__(self, out: Any, metrics: Any, hang: int | None = None) -> None:
+        self.out, self.hang = out, hang
+        self.attach(metrics, f"gen{current_rank().rank}")
+
+    @endpoint
+    async def drain(self) -> None:
+        if current_rank().rank == self.hang:
+            await asyncio.Event().wait()  # a peer stuck for ever
+        self.out.send(None)
+
+
+async def _relay_until(ctl: Controller, actor: str) -> dict[str, Any]:
+    return await ctl.relay({actor})
+
+
+def test_discard_names_the_silent_sender_and_the_time_instead_of_hanging():
+    async def main() -> None:
+        async with Controller() as ctl:
+            tail = ctl.spawn(ctl.procs(here=True), "tail", Tail, ctl.metrics)
+            inlet = await tail.inlet.call_one()
+            inlet.send("a")
+            inlet.send("b")  # ... and never the None that ends the stream
+            await tail.finish.call_one()
+            with pytest.raises(RingError) as err:
+                await _relay_until(ctl, "tail")
+        msg = str(err.value)
+        assert "tail: nothing from fake-reference for 0." in msg
+        assert f"(finish_timeout_s={BOUND:g})" in msg and "(2 discarded)" in msg
+
+    asyncio.run(main())
+
+
+def test_discard_still_counts_up_to_the_end_of_the_stream():
+    async def main() -> dict[str, Any]:
+        async with Controller() as ctl:
+            tail = ctl.spawn(ctl.procs(here=True), "tail", Tail, ctl.metrics)
+            inlet = await tail.inlet.call_one()
+            for msg in ("a", "b", None):
+                inlet.send(msg)
+            await tail.finish.call_one()
+            return await _relay_until(ctl, "tail")
+
+    assert asyncio.run(main())["tail"]["left"] == 2
+
+
+def test_relay_waits_freely_while_running_but_bounds_the_senders_after_the_first_end():
+    async def main() -> None:
+        async with Controller() as ctl:
+            relay = ctl.spawn(ctl.procs(here=True), "pass", Pass, ctl.metrics)
+            out, inbox = ctl.api.Channel.open()
+            await relay.start.call_one(out)
+            inlet = await relay.inlet.call_one()
+            await asyncio.sleep(3 * BOUND)  # silence while running is not a fault
+            inlet.send("x")
+            inlet.send(None)  # one sender ends; the other never does
+            with pytest.raises(RingError) as err:
+                await _relay_until(ctl, "pass")
+            assert await inbox.recv() == "x"  # what came before was relayed
+        msg = str(err.value)
+        assert "pass: nothing from the fake generators for 0." in msg
+        assert "1 more end(s) of stream (1 of 2 senders ended)" in msg
+
+    asyncio.run(main())
+
+
+def test_relay_start_takes_the_bound_and_its_name_from_the_caller():
+    async def main() -> None:
+        async with Controller() as ctl:
+            relay = ctl.spawn(ctl.procs(here=True), "pass", Pass, ctl.metrics)
+            out, _ = ctl.api.Channel.open()
+            await relay.start.call_one(out, finish_timeout_s=0.2, timeout_field="Cfg.t")
+            (await relay.inlet.call_one()).send(None)
+            with pytest.raises(RingError, match=r"\(Cfg.t=0.2\)"):
+                await _relay_until(ctl, "pass")
+
+    asyncio.run(main())
+
+
+def test_drain_names_the_source_that_does_not_answer():
+    async def main() -> None:
+        async with Controller() as ctl:
+            tail = ctl.spawn(ctl.procs(here=True), "tail", Tail, ctl.metrics)
+            gens = ctl.spawn(ctl.procs(3), "gens", FakeGen, await tail.inlet.call_one(),
+                             ctl.metrics, 1)
+            await tail.finish.call_one(gens, 3)
+            with pytest.raises(RingError) as err:
+                await _relay_until(ctl, "tail")
+        msg = str(err.value)
+        assert "tail: gen1 did not finish draining within 0." in msg
+        assert "gen0" not in msg and "gen2" not in msg
+
+    asyncio.run(main())
+
+
+# ── the toy ring, end to end, with one generator that misbehaves at drain ──
+
+
+def _toy_with(monkeypatch: pytest.MonkeyPatch, generator: type) -> str:
+    from grpo_nb.toy import run as toy_run
+    from grpo_nb.toy.task import ToyConfig
+
+    monkeypatch.setattr(toy_run, "Generator", generator)
+    monkeypatch.setattr(ring.Sink, "finish_timeout_s", BOUND)  # the toy's stages' default
+    cfg = replace(ToyConfig(), steps=3, generators=2, eval_states=16)
+    with pytest.raises(RingError) as err:
+        asyncio.run(toy_run.run_ring(cfg))
+    return str(err.value)
+
+
+def _toy_generator(kind: str) -> type:
+    from grpo_nb.toy.actors import Generator
+
+    class Broken(Generator):
+        @endpoint
+        async def drain(self) -> None:
+            if current_rank().rank == 1:
+                if kind == "hang":
+                    await asyncio.Event().wait()
+                await self.stop_loop()  # "silent": stops, but never sends its None
+                return
+            await super().drain()
+
+    return Broken
+
+
+def test_toy_ring_names_a_generator_that_never_ends_its_stream(monkeypatch):
+    msg = _toy_with(monkeypatch, _toy_generator("silent"))
+    assert "scorer: nothing from the generators" in msg
+    assert "(1 of 2 senders ended)" in msg
+
+
+def test_toy_ring_names_a_generator_whose_drain_hangs(monkeypatch):
+    msg = _toy_with(monkeypatch, _toy_generator("hang"))
+    assert "trainer: gen1 did not finish draining" in msg
+
+
+# ── the LLM trainer's finish path (no model, no server) ──
+
+
+def _llm_trainer(saved: list[str]) -> Any:
+    """A :class:`grpo_nb.llm.learner.Trainer` with only what its finish path touches."""
+    from grpo_nb.actors import Channel
+    from grpo_nb.llm.config import LLMConfig
+    from grpo_nb.llm.learner import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.cfg = LLMConfig(generators=2, finish_timeout_s=BOUND)
+    t.finish_timeout_s, t.next_msg = t.cfg.finish_timeout_s, None
+    t.port, t.inbox = Channel.open()
+    t._checkpoint = lambda: saved.append("checkpoint")
+    return t
+
+
+def test_llm_trainer_finish_is_bounded_names_the_peer_and_keeps_the_steps():
+    from grpo_nb.actors import Channel, this_host
+
+    async def main() -> None:
+        saved: list[str] = []
+        t = _llm_trainer(saved)
+        to_scorer, _ = Channel.open()  # a scorer that never forwards the end of the stream
+        gens = this_host().spawn_procs(per_host={"gpus": 2}).spawn(
+            "gens", FakeGen, to_scorer, _Null(), None)
+        t.port.send("group")  # and never the None the reference should have forwarded
+        with pytest.raises(RingError) as err:
+            await t._finish(gens)
+        msg = str(err.value)
+        assert "trainer: nothing from reference for 0." in msg
+        assert f"(LLMConfig.finish_timeout_s={BOUND:g})" in msg
+        assert saved == ["checkpoint"]  # a dead peer does not cost the trained steps
+        await gens.stop()
+
+    asyncio.run(main())
+
+
+def test_llm_trainer_bounds_a_receive_pending_since_the_stop_and_the_drain():
+    from grpo_nb.actors import Channel, this_host
+
+    async def main() -> None:
+        t = _llm_trainer([])
+        t.next_msg = asyncio.ensure_future(asyncio.Event().wait())  # never resolves
+        to_scorer, _ = Channel.open()
+        quiet = this_host().spawn_procs(per_host={"gpus": 2}).spawn(
+            "gens", FakeGen, to_scorer, _Null(), None)
+        with pytest.raises(RingError, match="while waiting for the end of the stream"):
+            await t._drain(quiet)
+        hung = this_host().spawn_procs(per_host={"gpus": 2}).spawn(
+            "gens", FakeGen, to_scorer, _Null(), 0)
+        with pytest.raises(RingError, match=r"trainer: gen0 did not finish draining"):
+            await t._drain(hung)
+        await quiet.stop()
+        await hung.stop()
+
+    asyncio.run(main())
+
+
+def test_finish_timeout_is_validated_by_name():
+    from grpo_nb.llm.config import LLMConfig
+
+    assert LLMConfig().finish_timeout_s > 0
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="LLMConfig.finish_timeout_s"):
+            LLMConfig(finish_timeout_s=bad)
+
+
+class _Null:
+    """A metrics port that drops what it is sent."""
+
+    def send(self, _event: Any) -> None:
+        pass
