@@ -12,9 +12,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
+from keyed_checks import status as _status
 
 from grpo_nb.serving import server as serving
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient
@@ -485,71 +485,6 @@ def test_doctor_lists_and_reaps_servers_whose_owner_is_gone():
 
 
 # ---------------------------------------------------------------- a real server
-
-KEYED_OWNER = """
-import json, sys, time
-from grpo_nb.serving.server import ServerConfig, VLLMServer
-srv = VLLMServer(ServerConfig.smoke(sys.argv[1])).start(progress=False)  # key: $VLLM_API_KEY
-print(json.dumps({"id": srv.server_id, "url": srv.url, "model": srv.model_name,
-                  "log": str(srv.log_path), "keyed": srv.api_key is not None}), flush=True)
-time.sleep(900)
-"""
-
-
-def _status(url: str, data: dict | None = None, key: str | None = None) -> int:
-    req = urllib.request.Request(url, data=None if data is None else json.dumps(data).encode(),
-                                 headers={"Content-Type": "application/json"})
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
-
-
-def _check_keyed_server(key: str, info: dict, procs: list) -> None:
-    assert info["keyed"]
-    assert not any(key in " ".join(p.cmdline()) for p in procs), "the key is in argv"
-    assert key not in Path(info["log"]).read_text()
-    url, body = info["url"], {"model": info["model"], "prompt": [3, 4], "max_tokens": 2}
-    assert _status(f"{url}/v1/completions", body) == 401
-    assert _status(f"{url}/v1/models") == 401
-    assert _status(f"{url}/v1/completions", body, key) == 200
-    # Why a dev-mode server is loopback-only: its weight routes ignore the key.
-    assert _status(f"{url}/is_paused") == 200
-
-    async def clients():
-        cfg = ClientConfig(api_key=key)
-        async with CompletionsClient(f"{url}/v1", info["model"], cfg) as keyed:
-            out = (await keyed.complete([3, 4], max_tokens=3))[0]
-        async with CompletionsClient(f"{url}/v1", info["model"], ClientConfig()) as unkeyed:
-            with pytest.raises(CompletionError) as err:
-                await unkeyed.complete([3, 4], max_tokens=3)
-        return out, err.value
-
-    out, err = asyncio.run(clients())
-    assert len(out.token_ids) >= 1 and (err.kind, err.status) == ("http_4xx", 401)
-    attached = VLLMServer.attach(url, api_key=key)
-    assert attached.model_name == info["model"] and attached.api_key == key
-
-
-@pytest.mark.vllm
-@pytest.mark.timeout(900)
-def test_keyed_server_needs_the_key_and_dies_with_its_owner(tiny_model_dir, monkeypatch):
-    """One real server, started by a child Python with ``VLLM_API_KEY`` set: unkeyed /v1
-    requests get 401 while keyed clients complete; then the child is SIGKILLed and the whole
-    vLLM tree (API server, EngineCore …) must be gone within 10 s (the watchdog)."""
-    import secrets
-
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    key = secrets.token_hex(16)
-    info, seconds = _sigkill_owner_and_time_cleanup(
-        KEYED_OWNER, [str(tiny_model_dir)], lambda i, p: _check_keyed_server(key, i, p),
-        env={**os.environ, "VLLM_API_KEY": key})
-    print(f"vLLM tree gone {seconds:.1f} s after its owner was SIGKILLed")
-
-
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)

@@ -157,6 +157,7 @@ class Scorer(Relay):
     advantages. ``"auto"`` is the task's answer check (``spec.reward_default``)."""
 
     name = "scorer"
+    sender = "the generators"
     label = "score"
 
     def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
@@ -181,6 +182,7 @@ class Reference(Relay):
     """Adds the frozen base model's log-probs of each completion (for the KL penalty)."""
 
     name = "reference"
+    sender = "scorer"
 
     def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
         self.cfg = cfg
