@@ -64,8 +64,10 @@ check-notebooks: setup
 	$(BIN)/nbstripout --verify --keep-id notebooks/*.ipynb || \
 	  { echo "notebooks carry outputs: run '$(BIN)/nbstripout --keep-id notebooks/*.ipynb'"; exit 1; }
 
+# The suite's vLLM servers start eager (no torch.compile): ≈ 50 s sooner each on a cold compile
+# cache, and they serve a few requests each. The notebooks run them compiled, as users do.
 pytest: setup system-deps
-	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --durations=20 tests
+	GRPO_NB_SMOKE=1 GRPO_NB_SERVER_EAGER=1 $(BIN)/pytest -q --durations=20 tests
 
 nbtest: setup
 	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=1200 --reruns 1 --durations=0 -n $(NB_WORKERS) --dist loadfile notebooks

@@ -591,10 +591,18 @@ def vllm_server_tokens(url: str) -> float:
                if line.startswith("vllm:generation_tokens_total"))
 
 
-def test_eager_is_a_field_not_an_extra_arg(tmp_path):
+def test_eager_is_a_field_not_an_extra_arg(tmp_path, monkeypatch):
+    monkeypatch.delenv("GRPO_NB_SERVER_EAGER", raising=False)
     cfg = ServerConfig(model="m", log_dir=tmp_path)
     assert "--enforce-eager" not in cfg.command(8000, gpu=False)  # compiled by default
     cfg.eager = True
     assert "--enforce-eager" in cfg.command(8000, gpu=False)
     with pytest.raises(ValueError, match="ServerConfig.eager"):
         ServerConfig(model="m", extra_args=["--enforce-eager"])
+
+
+def test_eager_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("GRPO_NB_SERVER_EAGER", "1")
+    assert ServerConfig(model="m").eager is True
+    monkeypatch.setenv("GRPO_NB_SERVER_EAGER", "0")
+    assert ServerConfig(model="m").eager is False

@@ -30,8 +30,15 @@ DEV_ROUTES = "/pause, /update_weights, /init_weight_transfer_engine, /collective
 INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
+EAGER_ENV = "GRPO_NB_SERVER_EAGER"  # "1": every server starts eager (the test suite sets it)
+
+
 def env_api_key() -> str | None:
     return os.environ.get("VLLM_API_KEY") or None
+
+
+def env_eager() -> bool:
+    return os.environ.get(EAGER_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -61,7 +68,8 @@ class ServerConfig:
         eager: ``--enforce-eager`` (no ``torch.compile``, no CUDA graphs). Off by default:
             on a 2-core CPU with the tiny model, eager started 24 % sooner (48 vs 63 s, warm
             compile cache) but generated 31–37 % fewer tokens/s
-            (``python benchmarks/server_compile.py``), so it pays only for short runs.
+            (``python benchmarks/server_compile.py``), so it pays only for short runs. Default
+            ``$GRPO_NB_SERVER_EAGER=1`` (``make test`` sets it: its servers live seconds).
     """
 
     model: str = ""
@@ -82,7 +90,7 @@ class ServerConfig:
     worker_extension_cls: str | None = None
     weight_transfer_config: dict[str, Any] | None = None
     cpus: str | list[int] = "auto"
-    eager: bool = False
+    eager: bool = field(default_factory=env_eager)
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
