@@ -21,18 +21,23 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
-def smoke_mode() -> bool:
-    """True when ``GRPO_NB_SMOKE`` asks for the small CI configuration.
+def env_flag(name: str) -> bool:
+    """The boolean environment variable ``name`` (unset: False).
 
     Raises ``ValueError`` on a value that is neither truthy nor falsy, so that a typo such as
-    ``GRPO_NB_SMOKE=ture`` does not silently run the full (slow) configuration.
+    ``GRPO_NB_SMOKE=ture`` does not silently run the other configuration.
     """
-    raw = os.environ.get("GRPO_NB_SMOKE", "").strip().lower()
+    raw = os.environ.get(name, "").strip().lower()
     if raw in _TRUE:
         return True
     if raw in _FALSE:
         return False
-    raise ValueError(f"GRPO_NB_SMOKE={raw!r}: use 1/0, true/false, yes/no or on/off")
+    raise ValueError(f"{name}={raw!r}: use 1/0, true/false, yes/no or on/off")
+
+
+def smoke_mode() -> bool:
+    """True when ``GRPO_NB_SMOKE`` asks for the small CI configuration (see :func:`env_flag`)."""
+    return env_flag("GRPO_NB_SMOKE")
 
 
 class _HasSmoke(Protocol):

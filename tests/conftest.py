@@ -44,6 +44,16 @@ class SharedServer:
             assert syncer.weight_gap() < 1e-4
         self.changed = False
 
+    def lend(self, *, changes_weights: bool) -> object:
+        """The server for one test: restored first unless the test will change it anyway."""
+        if not self.server.is_running():
+            pytest.fail("the session's vLLM server is gone (a test killed it out of order)")
+        if changes_weights:
+            self.changed = True
+        elif self.changed:
+            self.restore()
+        return self.server
+
 
 @pytest.fixture(scope="session")
 def shared_server(tiny_model_dir: Path) -> Iterator[SharedServer]:
@@ -59,20 +69,13 @@ def shared_server(tiny_model_dir: Path) -> Iterator[SharedServer]:
 def vllm_server(shared_server: SharedServer) -> object:
     """The session's server, serving the tiny model's own weights (restored if a test changed
     them): for tests that compare its log-probs with the model file's."""
-    if not shared_server.server.is_running():
-        pytest.fail("the session's vLLM server is gone (a test killed it out of order)")
-    if shared_server.changed:
-        shared_server.restore()
-    return shared_server.server
+    return shared_server.lend(changes_weights=False)
 
 
 @pytest.fixture
 def ring_server(shared_server: SharedServer) -> object:
     """The session's server for a test that pushes weights into it (training, weight sync)."""
-    if not shared_server.server.is_running():
-        pytest.fail("the session's vLLM server is gone (a test killed it out of order)")
-    shared_server.changed = True
-    return shared_server.server
+    return shared_server.lend(changes_weights=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

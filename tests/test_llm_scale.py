@@ -226,6 +226,8 @@ def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic
     import psutil
     from keyed_checks import check_keyed_server
 
+    from grpo_nb.metrics import load_metrics
+
     monkeypatch.delenv("VLLM_API_KEY", raising=False)  # the test's own clients start unkeyed
     key = "test-key-" + os.urandom(8).hex()
     env = {**os.environ, "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1",
@@ -259,8 +261,7 @@ def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic
     assert not alive, f"vLLM tree still alive 15 s after the SIGKILL: {alive}"
     print(f"CLI SIGKILLed → server tree gone in {time.monotonic() - killed:.1f} s")
     saved = json.loads((run / "checkpoint" / "trainer_state.json").read_text())["step"]
-    done = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").open()
-               if json.loads(line)["kind"] == "step")
+    done = max(row["step"] for row in load_metrics(run).rows("step"))
     assert done - saved <= 1  # at most checkpoint_every steps lost
 
     proc = subprocess.run([sys.executable, "-m", "grpo_nb", "train", "--resume", str(run),
@@ -280,14 +281,14 @@ def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic
     assert summary["prompt_example"].endswith("<|im_start|>assistant\n")
     assert summary["model"] == realistic.model and summary["dataset"] == realistic.data
     assert 0.0 <= summary["accuracy_after"] <= 1.0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    assert [r["step"] for r in rows if r["kind"] == "step"][-2:] == [saved + 1, saved + 2]
+    rec = load_metrics(run)
+    assert [r["step"] for r in rec.rows("step")][-2:] == [saved + 1, saved + 2]
     config = json.loads((run / "config.json").read_text())
     assert config["model"] == realistic.model and config["max_tokens"] == 24
-    data = next(r for r in rows if r["kind"] == "data")
+    data = rec.rows("data")[0]
     assert data["task"] == "math" and data["prompt_example"] == summary["prompt_example"]
     assert data["test"] == 12  # 10 % of 120 rows held out (fewer than eval_size)
-    evals = [r for r in rows if r["kind"] == "eval"]
+    evals = rec.rows("eval")
     assert evals and all(r["n"] == 12 for r in evals)  # every held-out prompt, via the server
     assert (run / "dashboard.png").is_file()
     assert _no_server_left(realistic.model) == []

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_nb.config import cache_dir
+from grpo_nb.config import cache_dir, env_flag
 from grpo_nb.partition import check_spec, parse_cpus, plan, server_env
 from grpo_nb.serving.net import is_loopback
 from grpo_nb.serving.processes import MARKER_ENV, OWNER_ENV
@@ -35,10 +35,6 @@ EAGER_ENV = "GRPO_NB_SERVER_EAGER"  # "1": every server starts eager (the test s
 
 def env_api_key() -> str | None:
     return os.environ.get("VLLM_API_KEY") or None
-
-
-def env_eager() -> bool:
-    return os.environ.get(EAGER_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -90,7 +86,7 @@ class ServerConfig:
     worker_extension_cls: str | None = None
     weight_transfer_config: dict[str, Any] | None = None
     cpus: str | list[int] = "auto"
-    eager: bool = field(default_factory=env_eager)
+    eager: bool = field(default_factory=lambda: env_flag(EAGER_ENV))
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
