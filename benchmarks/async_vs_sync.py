@@ -12,7 +12,8 @@
 ``--partition on`` pins the server tree to its own core(s) and this process (controller and
 trainer) to the others (:mod:`grpo_nb.partition`); ``off`` leaves both unpinned; ``both`` runs
 the pair twice, one server after the other, so the partition's effect is measured. Run:
-``.venv/bin/python benchmarks/async_vs_sync.py [--steps 30] [--partition both]``.
+``.venv/bin/python benchmarks/async_vs_sync.py [--steps 30] [--partition both]
+[--set prompts_per_step=32 ...]``.
 """
 
 from __future__ import annotations
@@ -89,15 +90,17 @@ async def _pair(model_dir: str, base: Any, pin: bool, stamp: str) -> dict[str, A
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from grpo_nb.llm.cli import apply_sets
     from grpo_nb.llm.config import LLMConfig
     from grpo_nb.tiny_model import TinyModelConfig, build_or_load
 
     model_dir = str(build_or_load(TinyModelConfig(), progress=False))
-    base = LLMConfig(steps=args.steps, time_budget_s=None, eval_every=max(args.steps, 1),
-                     eval_size=200, checkpoint_every=10_000, seed=args.seed,
-                     sync_every=args.sync_every)
+    base = apply_sets(LLMConfig(steps=args.steps, time_budget_s=None,
+                                eval_every=max(args.steps, 1), eval_size=200,
+                                checkpoint_every=10_000, seed=args.seed,
+                                sync_every=args.sync_every), args.set)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out: dict[str, Any] = {"steps": args.steps, "sync_every": args.sync_every,
+    out: dict[str, Any] = {"steps": args.steps, "sync_every": args.sync_every, "set": args.set,
                            "cpus": len(os.sched_getaffinity(0)),
                            "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
     for pin in {"on": [True], "off": [False], "both": [False, True]}[args.partition]:
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sync-every", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--partition", choices=("on", "off", "both"), default="on")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="any LLMConfig field, as in `python -m grpo_nb train --set`")
     args = parser.parse_args(argv)
     out = asyncio.run(_run(args))
     print(json.dumps(out))

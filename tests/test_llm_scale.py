@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -27,6 +26,7 @@ from grpo_nb.llm.cli import apply_sets, parse_config
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Prompt, load_data
 from grpo_nb.llm.evaluate import answer_checker, greedy_accuracy
+from grpo_nb.serving.processes import owned_by
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -189,21 +189,6 @@ def _no_server_left(model: str) -> list[str]:
                           text=True).stdout.split()
 
 
-def _owned_by(pid: int) -> list[Any]:
-    """The marked vLLM processes whose owner is ``pid``."""
-    import psutil
-
-    from grpo_nb.serving.processes import OWNER_ENV, marked_processes
-
-    def owner(proc: Any) -> str | None:
-        try:
-            return proc.environ().get(OWNER_ENV)
-        except psutil.Error:
-            return None
-
-    return [p for p in marked_processes() if owner(p) == str(pid)]
-
-
 def _wait_for_checkpoint(cli: subprocess.Popen, state: Path, within_s: float = 900) -> None:
     deadline = time.monotonic() + within_s  # a server start takes minutes on a busy CPU
     while not (state.is_file() and json.loads(state.read_text())["step"] >= 1):
@@ -243,7 +228,7 @@ def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic
     run = tmp_path / "real"
     try:
         _wait_for_checkpoint(cli, run / "checkpoint" / "trainer_state.json")
-        ours = _owned_by(cli.pid)
+        ours = owned_by(cli.pid)
         assert ours, "the CLI's server processes were not found"
         api = next(p for p in ours if "--port" in p.cmdline())
         argv = api.cmdline()

@@ -457,7 +457,7 @@ def test_doctor_lists_and_reaps_servers_whose_owner_is_gone():
     import psutil
 
     from grpo_nb.course.doctor import orphan_section
-    from grpo_nb.serving.processes import MARKER_ENV, OWNER_ENV, find_orphans, reap
+    from grpo_nb.serving.processes import MARKER_ENV, OWNER_ENV, find_orphans, owned_by, reap
 
     # The owner died but was not reaped yet (a zombie): like a SIGKILLed kernel whose parent
     # has not called wait(). Its pid still exists; it must count as gone.
@@ -474,6 +474,8 @@ def test_doctor_lists_and_reaps_servers_whose_owner_is_gone():
         assert [(o.owner_pid, o.pids, o.port) for o in found] == [
             (dead.pid, [procs["orphan"].pid], "1234")]
         assert f"server {found[0].server_id} port 1234" in orphan_section(reap=False)
+        mine = [p.pid for p in owned_by(os.getpid())]
+        assert procs["owned"].pid in mine and procs["orphan"].pid not in mine
         # `doctor --reap` ends every orphan of this user; the test reaps only its own.
         assert reap(found) == [procs["orphan"].pid]
         assert procs["orphan"].wait(timeout=15) is not None

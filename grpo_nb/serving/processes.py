@@ -149,26 +149,37 @@ def _arg(cmdline: list[str], flag: str) -> str:
     return cmdline[cmdline.index(flag) + 1] if flag in cmdline[:-1] else "?"
 
 
+def _marked_groups() -> dict[str, tuple[int, list[Any]]]:
+    """Marked processes grouped by server marker, each group with its ``GRPO_NB_OWNER_PID``."""
+    import psutil
+
+    groups: dict[str, tuple[int, list[Any]]] = {}
+    for p in marked_processes():
+        with contextlib.suppress(psutil.Error, ValueError):
+            env = p.environ()
+            owner = int(env[OWNER_ENV])
+            groups.setdefault(env[MARKER_ENV], (owner, []))[1].append(p)
+    return groups
+
+
+def owned_by(pid: int) -> list[Any]:
+    """The marked server processes started for owner ``pid``."""
+    return [p for owner, procs in _marked_groups().values() if owner == pid for p in procs]
+
+
 def find_orphans() -> list[Orphan]:
     """Servers (grouped by marker) whose ``GRPO_NB_OWNER_PID`` is no longer running."""
     import psutil
 
-    groups: dict[str, list[Any]] = {}
-    owners: dict[str, int] = {}
-    for p in marked_processes():
-        with contextlib.suppress(psutil.Error, ValueError):
-            env = p.environ()
-            owners[env[MARKER_ENV]] = int(env[OWNER_ENV])
-            groups.setdefault(env[MARKER_ENV], []).append(p)
     orphans = []
-    for sid, procs in groups.items():
+    for sid, (owner, procs) in _marked_groups().items():
         with contextlib.suppress(psutil.Error):
             oldest = min(p.create_time() for p in procs)
-            if _owner_alive(owners[sid], oldest):
+            if _owner_alive(owner, oldest):
                 continue
             cmd = max((p.cmdline() for p in procs), key=lambda c: "--port" in c)
             rss = sum(p.memory_info().rss for p in procs) / 2**30
-            orphans.append(Orphan(sid, owners[sid], sorted(p.pid for p in procs),
+            orphans.append(Orphan(sid, owner, sorted(p.pid for p in procs),
                                   _arg(cmd, "--port"), _arg(cmd, "--model"), round(rss, 2)))
     return orphans
 
