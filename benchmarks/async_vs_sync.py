@@ -13,7 +13,7 @@
 trainer) to the others (:mod:`grpo_nb.partition`); ``off`` leaves both unpinned; ``both`` runs
 the pair twice, one server after the other, so the partition's effect is measured. Run:
 ``.venv/bin/python benchmarks/async_vs_sync.py [--steps 30] [--partition both]
-[--set prompts_per_step=32 ...]``.
+[--set prompts_per_step=32 ...] [--repeats 3]``.
 """
 
 from __future__ import annotations
@@ -58,8 +58,15 @@ def bound(sync_run: Any) -> dict[str, float]:
             "paused_bound": round(pr.model_speedup, 2)}
 
 
-async def _pair(model_dir: str, base: Any, pin: bool, stamp: str) -> dict[str, Any]:
-    """Both modes against one server, pinned (server tree + this process) or not."""
+async def _pair(model_dir: str, base: Any, pin: bool, stamp: str,
+                repeats: int = 1) -> dict[str, Any]:
+    """Both modes against one server, pinned (server tree + this process) or not.
+
+    With ``repeats`` > 1 the pair runs again in alternating order (async→sync, sync→async, …)
+    so a drift in the machine's speed hits both modes alike; ``speedup_async`` is then the
+    median of the pairs' ratios and ``pairs`` lists each one."""
+    from statistics import median
+
     from grpo_nb import partition
     from grpo_nb.llm.run import server_for, train
 
@@ -68,24 +75,39 @@ async def _pair(model_dir: str, base: Any, pin: bool, stamp: str) -> dict[str, A
     server.cfg.cpus = list(plan.server_cpus) if plan.active else "off"
     await server.start_async()
     out: dict[str, Any] = {"plan": plan.describe(), "server_cpus": server.cpus}
-    costs: dict[str, Any] = {}  # per mode: grpo_nb.llm.cost.StepPhases
+    pairs: list[dict[str, Any]] = []
     try:
         with partition.pinned(plan):
-            for mode in ("async", "sync"):
-                res = await train(base.replace(mode=mode), model_dir=model_dir, server=server,
-                                  name=f"bench-{mode}-{'pin' if pin else 'nopin'}-{stamp}",
-                                  progress=False)
-                measured = phases(res.run_dir)
-                costs[mode] = measured.pop("cost", None)
-                out[mode] = {"wall_s": res.wall_s, "accuracy_after": res.accuracy_after,
-                             "staleness_mean": res.staleness_mean,
-                             "sync_ms_mean": res.sync_ms_mean, **measured}
+            for r in range(repeats):
+                runs: dict[str, Any] = {}
+                costs: dict[str, Any] = {}  # per mode: grpo_nb.llm.cost.StepPhases
+                for mode in ("async", "sync") if r % 2 == 0 else ("sync", "async"):
+                    res = await train(base.replace(mode=mode), model_dir=model_dir,
+                                      server=server, progress=False,
+                                      name=f"bench-{mode}-{'pin' if pin else 'nopin'}-{stamp}-{r}")
+                    measured = phases(res.run_dir)
+                    costs[mode] = measured.pop("cost", None)
+                    runs[mode] = {"wall_s": res.wall_s, "accuracy_after": res.accuracy_after,
+                                  "staleness_mean": res.staleness_mean,
+                                  "sync_ms_mean": res.sync_ms_mean, **measured}
+                pairs.append({**runs, "bound": bound(costs["sync"]),
+                              "speedup_async": round(runs["sync"]["loop_s"]
+                                                     / runs["async"]["loop_s"], 2),
+                              "speedup_whole_run": round(runs["sync"]["wall_s"]
+                                                         / runs["async"]["wall_s"], 2)})
     finally:
         await asyncio.to_thread(server.stop)
-    out["speedup_async"] = round(out["sync"]["loop_s"] / out["async"]["loop_s"], 2)
-    out["speedup_whole_run"] = round(out["sync"]["wall_s"] / out["async"]["wall_s"], 2)
-    out["bound"] = bound(costs["sync"])
-    out["async_step_s_measured"] = out["async"]["step_s"]
+    first = pairs[0]
+    for key in ("async", "sync", "bound"):
+        out[key] = first[key]
+    out["speedup_async"] = median(p["speedup_async"] for p in pairs)
+    out["speedup_whole_run"] = median(p["speedup_whole_run"] for p in pairs)
+    out["async_step_s_measured"] = first["async"]["step_s"]
+    if repeats > 1:
+        out["pairs"] = [{"speedup_async": p["speedup_async"],
+                         "loop_s": [p["async"]["loop_s"], p["sync"]["loop_s"]],
+                         "paused_bound": p["bound"].get("paused_bound"),
+                         "G_T_S": [p["bound"].get(k) for k in ("G", "T", "S")]} for p in pairs]
     return out
 
 
@@ -104,7 +126,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                            "cpus": len(os.sched_getaffinity(0)),
                            "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
     for pin in {"on": [True], "off": [False], "both": [False, True]}[args.partition]:
-        out["partitioned" if pin else "unpartitioned"] = await _pair(model_dir, base, pin, stamp)
+        out["partitioned" if pin else "unpartitioned"] = await _pair(model_dir, base, pin, stamp,
+                                                                     args.repeats)
     out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     main = out.get("partitioned") or out["unpartitioned"]
     out["speedup_async"] = main["speedup_async"]
@@ -117,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sync-every", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--partition", choices=("on", "off", "both"), default="on")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="async/sync pairs on one server, in alternating order (median)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="any LLMConfig field, as in `python -m grpo_nb train --set`")
     args = parser.parse_args(argv)
