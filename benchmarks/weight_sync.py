@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue
 import statistics
 import tempfile
 import time
@@ -112,11 +113,17 @@ def repack_floor_ms(hf_config: object, cpus: list[int] | None, repeats: int) -> 
     shapes = per_layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)] * (
         1 if c.tie_word_embeddings else 2)
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_repack_child, args=(shapes, cpus, repeats, queue))
+    results = ctx.Queue()
+    child = ctx.Process(target=_repack_child, args=(shapes, cpus, repeats, results))
     child.start()
     try:
-        return queue.get(timeout=600)
+        while True:  # a child that dies (vLLM import, memory) is reported, not waited on
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                if not child.is_alive():
+                    raise RuntimeError(f"the repack child exited ({child.exitcode}) "
+                                       "without a result") from None
     finally:
         child.join(timeout=60)
 
