@@ -5,15 +5,16 @@
         └─ train(mode="sync",  steps=N) ─┴► loop_s (first step's start → last step's end),
                                             per steady step (grpo_nb.llm.cost): wait (trainer
                                             idle = generation it could not hide), train, sync
-    ─► one JSON line: both modes, ``speedup_async`` = sync loop_s / async loop_s, and the
-       overlap bound (G + T + S) / max(G, T + S) and the paused-server model's
-       (G + T + S) / (max(G, T) + S), from the sync run's phase times.
+    ─► one JSON line: both modes, ``speedup_async`` = sync loop_s / async loop_s, the
+       overlap bound (G + T + S) / max(G, T + S), the paused-server model's
+       (G + T + S) / (max(G, T) + S) and ``model_speedup`` (the model of the run's pause mode),
+       from the sync run's phase times, and the median time of each sync phase.
 
 ``--partition on`` pins the server tree to its own core(s) and this process (controller and
 trainer) to the others (:mod:`grpo_nb.partition`); ``off`` leaves both unpinned; ``both`` runs
 the pair twice, one server after the other, so the partition's effect is measured. Run:
 ``.venv/bin/python benchmarks/async_vs_sync.py [--steps 30] [--partition both]
-[--set prompts_per_step=32 ...] [--repeats 3]``.
+[--set prompts_per_step=32 --set sync.pause_mode=keep ...] [--repeats 3] [--backend monarch]``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -38,28 +40,34 @@ def phases(run_dir: str | Path) -> dict[str, Any]:
         return {"steps": steps}
     p = step_phases(rows)
     per = {"wait": p.wait, "train": p.train, "sync": p.sync, "generate": p.generate}
-    return {"steps": steps, "loop_s": round(loop_seconds(rows), 2), "step_s": round(p.step, 3),
+    sync_rows = [r for r in rows if r["kind"] == "sync" and r.get("phases")][2:]  # steady ones
+    names = sorted({k for r in sync_rows for k in r["phases"]})
+    sync_phases = {k: round(statistics.median(r["phases"].get(k, 0.0) for r in sync_rows), 1)
+                   for k in names} if sync_rows else {}
+    return {"sync_phases_ms": sync_phases,"steps": steps, "loop_s": round(loop_seconds(rows), 2), "step_s": round(p.step, 3),
             "per_step_s": {k: round(v, 3) for k, v in per.items()}, "cost": p}
 
 
-def bound(sync_run: Any) -> dict[str, float]:
+def bound(sync_run: Any, paused: bool) -> dict[str, float]:
     """What overlap can give with the sync run's phases G, T, S (:func:`grpo_nb.llm.cost.predict`):
-    ``overlap_bound`` = (G + T + S) / max(G, T + S); a sync pauses the server, so this ring's
-    async step is max(G, T) + S and ``paused_bound`` is what remains."""
+    ``overlap_bound`` = (G + T + S) / max(G, T + S); a sync that pauses the server makes the
+    async step max(G, T) + S, and ``paused_bound`` is what remains then (the model of a sync
+    without a pause is the overlap bound)."""
     from grpo_nb.llm.cost import predict
 
     if sync_run is None:  # too few steps to model
         return {}
-    pr = predict(sync_run)
+    pr = predict(sync_run, paused=paused)
     return {"G": round(pr.G, 3), "T": round(pr.T, 3), "S": round(pr.S, 3),
             "predicted_sync_step_s": round(pr.sync_step, 3),
             "predicted_async_step_s": round(pr.async_step, 3),
             "overlap_bound": round(pr.overlap_bound, 2),
-            "paused_bound": round(pr.model_speedup, 2)}
+            "paused_bound": round(predict(sync_run).model_speedup, 2),
+            "model_speedup": round(pr.model_speedup, 2)}
 
 
 async def _pair(model_dir: str, base: Any, pin: bool, stamp: str,
-                repeats: int = 1) -> dict[str, Any]:
+                repeats: int = 1, backend: str = "asyncio") -> dict[str, Any]:
     """Both modes against one server, pinned (server tree + this process) or not.
 
     With ``repeats`` > 1 the pair runs again in alternating order (async→sync, sync→async, …)
@@ -83,14 +91,15 @@ async def _pair(model_dir: str, base: Any, pin: bool, stamp: str,
                 costs: dict[str, Any] = {}  # per mode: grpo_nb.llm.cost.StepPhases
                 for mode in ("async", "sync") if r % 2 == 0 else ("sync", "async"):
                     res = await train(base.replace(mode=mode), model_dir=model_dir,
-                                      server=server, progress=False,
+                                      server=server, progress=False, backend=backend,
                                       name=f"bench-{mode}-{'pin' if pin else 'nopin'}-{stamp}-{r}")
                     measured = phases(res.run_dir)
                     costs[mode] = measured.pop("cost", None)
                     runs[mode] = {"wall_s": res.wall_s, "accuracy_after": res.accuracy_after,
                                   "staleness_mean": res.staleness_mean,
                                   "sync_ms_mean": res.sync_ms_mean, **measured}
-                pairs.append({**runs, "bound": bound(costs["sync"]),
+                pairs.append({**runs, "bound": bound(costs["sync"],
+                                                     base.sync.pause_mode != "none"),
                               "speedup_async": round(runs["sync"]["loop_s"]
                                                      / runs["async"]["loop_s"], 2),
                               "speedup_whole_run": round(runs["sync"]["wall_s"]
@@ -106,7 +115,7 @@ async def _pair(model_dir: str, base: Any, pin: bool, stamp: str,
     if repeats > 1:
         out["pairs"] = [{"speedup_async": p["speedup_async"],
                          "loop_s": [p["async"]["loop_s"], p["sync"]["loop_s"]],
-                         "paused_bound": p["bound"].get("paused_bound"),
+                         "model_speedup": p["bound"].get("model_speedup"),
                          "G_T_S": [p["bound"].get(k) for k in ("G", "T", "S")]} for p in pairs]
     return out
 
@@ -123,11 +132,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                                 sync_every=args.sync_every), args.set)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out: dict[str, Any] = {"steps": args.steps, "sync_every": args.sync_every, "set": args.set,
+                           "backend": args.backend,
                            "cpus": len(os.sched_getaffinity(0)),
                            "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
     for pin in {"on": [True], "off": [False], "both": [False, True]}[args.partition]:
         out["partitioned" if pin else "unpartitioned"] = await _pair(model_dir, base, pin, stamp,
-                                                                     args.repeats)
+                                                                     args.repeats,
+                                                                     args.backend)
     out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     main = out.get("partitioned") or out["unpartitioned"]
     out["speedup_async"] = main["speedup_async"]
@@ -142,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--partition", choices=("on", "off", "both"), default="on")
     parser.add_argument("--repeats", type=int, default=1,
                         help="async/sync pairs on one server, in alternating order (median)")
+    parser.add_argument("--backend", choices=("asyncio", "monarch"), default="asyncio",
+                        help="monarch: the trainer (and each generator) in a process of its own")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="any LLMConfig field, as in `python -m grpo_nb train --set`")
     args = parser.parse_args(argv)

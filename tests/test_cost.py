@@ -72,6 +72,10 @@ def test_predict_generation_bound() -> None:
     assert pr.async_step == pytest.approx(0.70)
     assert pr.overlap_bound == pytest.approx(1.05 / 0.55)   # max(G, T + S) = max(.55, .50)
     assert pr.model_speedup == pytest.approx(1.5)            # 1.05 / .70
+    # Without a pause (pause_mode="none") the sync hides behind generation too: max(G, T + S).
+    free = predict(step_phases(sync_run()), paused=False)
+    assert free.async_step == pytest.approx(0.55)
+    assert free.model_speedup == pytest.approx(free.overlap_bound) == pytest.approx(1.05 / 0.55)
 
 
 def test_predict_training_bound() -> None:
@@ -95,6 +99,8 @@ def test_model_never_beats_overlap_bound_or_2x(g: float, t: float, s: float) -> 
     pr = predict(step_phases(rows))
     assert pr.sync_step == pytest.approx(g + t + s)
     assert 1 < pr.model_speedup <= pr.overlap_bound + 1e-12 <= 2 + 1e-12
+    assert predict(step_phases(rows), paused=False).model_speedup == pytest.approx(
+        pr.overlap_bound)
 
 
 def test_sync_every_two_halves_s() -> None:

@@ -57,6 +57,19 @@ def test_staleness_at_the_limit_of_the_sync_interval_is_accepted() -> None:
     assert LLMConfig(ratio_against="trainer", tis_cap=2.0).tis_cap == 2.0
 
 
+def test_generators_salt_each_request_with_its_policy_version() -> None:
+    """vLLM reuses cached prompt KV only under the same salt: without it, after a sync without
+    /pause, a new request could start from KV the old weights computed."""
+    from grpo_nb.llm.actors import sampling_request
+    from grpo_nb.weight_sync import policy_salt
+
+    cfg = LLMConfig()
+    assert cfg.sync.pause_mode == "none"  # the ring's default: such syncs happen
+    v3, v4 = sampling_request(cfg, 3), sampling_request(cfg, 4)
+    assert v3["cache_salt"] == policy_salt(3) != v4["cache_salt"] == policy_salt(4)
+    assert v3["n"] == cfg.group_size and v3["max_tokens"] == cfg.max_tokens
+
+
 def test_smoke_preset_is_smaller_and_valid() -> None:
     full, smoke = LLMConfig(), LLMConfig.smoke()
     assert smoke.steps < full.steps and smoke.eval_size <= full.eval_size

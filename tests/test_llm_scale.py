@@ -105,6 +105,7 @@ def test_device_derives_dtype_transport_tolerance_and_server(monkeypatch, realis
     assert (placement.device_of(cfg), placement.dtype_of(cfg)) == ("cpu", "float32")
     sync = placement.sync_of(cfg)
     assert sync.transport == "gloo" and sync.atol == pytest.approx(1e-3)
+    assert sync.pause_mode == "none"  # vLLM's CPU engine runs the update between two steps
     scfg = placement.server_config(realistic.model, cfg)
     assert scfg.max_model_len == 128 and scfg.dtype == "float32"
     assert placement.CPU_KV_MIN <= scfg.kv_cache_bytes <= placement.CPU_KV_MAX
@@ -118,6 +119,7 @@ def test_device_derives_dtype_transport_tolerance_and_server(monkeypatch, realis
         assert placement.dtype_of(cfg) == "bfloat16" and placement.trainer_device(cfg) == dev
         sync = placement.sync_of(cfg)
         assert sync.transport == transport and sync.atol == placement.DTYPE_ATOL["bfloat16"]
+        assert sync.pause_mode == "keep"  # vLLM may schedule a GPU step while one runs
         scfg = placement.server_config(realistic.model, cfg)
         assert scfg.dtype == "bfloat16" and scfg.gpu_memory_utilization == gmu
         assert scfg.weight_transfer_config == {"backend": transport}

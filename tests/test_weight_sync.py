@@ -13,6 +13,7 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def test_config_rejects_bad_values() -> None:
         WeightSyncConfig(transport="smoke-signals")
     with pytest.raises(ValueError, match="pause_mode"):
         WeightSyncConfig(pause_mode="later")
+    with pytest.raises(ValueError, match="pause_mode='none' needs a CPU transport"):
+        WeightSyncConfig(transport="nccl", pause_mode="none")
     with pytest.raises(ValueError, match="chunk_mb"):
         WeightSyncConfig(chunk_mb=0)
 
@@ -72,6 +75,7 @@ class _StubControlPlane:
 
     def __init__(self, slow: tuple[str, ...] = (), fail: tuple[str, ...] = ()) -> None:
         self.calls: list[str] = []
+        self.queries: list[str] = []
         self.slow, self.fail = set(slow), set(fail)
         stub = self
 
@@ -79,6 +83,7 @@ class _StubControlPlane:
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 route = self.path.split("?")[0]
                 stub.calls.append(route)
+                stub.queries.append(self.path.partition("?")[2])
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if route in stub.slow:
                     time.sleep(2.0)
@@ -104,12 +109,12 @@ class _StubControlPlane:
         self.httpd.server_close()
 
 
-def _stub_syncer(stub: _StubControlPlane) -> WeightSyncer:
+def _stub_syncer(stub: _StubControlPlane, pause_mode: str = "keep") -> WeightSyncer:
     from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
 
     model = build_model(TinyModelConfig(), build_tokenizer())
     return WeightSyncer(stub.url, model, WeightSyncConfig(transport="reload", timeout_s=0.5,
-                                                          verify=False))
+                                                          verify=False, pause_mode=pause_mode))
 
 
 def test_pause_that_times_out_is_still_followed_by_resume() -> None:
@@ -141,6 +146,33 @@ def test_failed_transfer_stays_paused_until_a_full_resend_succeeds() -> None:
         assert stub.calls == ["/pause", "/collective_rpc", "/update_weight_version", "/resume"]
         assert result.round_trips == 4
         assert {"pause", "transfer", "load", "version", "resume", "total"} <= set(result.phases)
+        syncer.close()
+    finally:
+        stub.close()
+
+
+def test_a_sync_without_pause_pauses_at_once_when_it_fails_and_resumes_after_a_resend() -> None:
+    stub = _StubControlPlane()
+    try:
+        syncer = _stub_syncer(stub, pause_mode="none")
+        syncer.sync(1)  # no /pause, no /resume; the old weights' prompt KV is dropped
+        assert stub.calls == ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
+        stub.calls.clear()
+        stub.fail.add("/collective_rpc")
+        with pytest.raises(WeightSyncError, match="PAUSED"):
+            syncer.sync(2)
+        # Generation was running: stop it now (abort), and stay paused while dirty.
+        assert stub.calls == ["/collective_rpc", "/pause"] and stub.queries[-1] == "mode=abort"
+        assert syncer.dirty is not None and syncer.version == 1
+        stub.calls.clear()
+        stub.fail.clear()
+        assert syncer.sync(3).version == 3 and syncer.dirty is None
+        # The full re-send went through: now the pause this syncer left is lifted.
+        assert stub.calls == ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
+                              "/resume"]
+        stub.calls.clear()
+        syncer.sync(4)
+        assert "/resume" not in stub.calls and "/pause" not in stub.calls
         syncer.close()
     finally:
         stub.close()
@@ -204,13 +236,15 @@ def _fresh_model(model_dir: Path):
     return load_hf(model_dir)[0]
 
 
-def _greedy(server, prompt: list[int], n: int = 3) -> tuple[list[int], list[float]]:
+def _greedy(server, prompt: list[int], n: int = 3,
+            salt: str | None = None) -> tuple[list[int], list[float]]:
     import requests
 
     body = {"model": server.model_name, "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "logprobs": 1, "return_token_ids": True}
-    choice = requests.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
-    choice = choice["choices"][0]
+            "logprobs": 1, "return_token_ids": True, **({"cache_salt": salt} if salt else {})}
+    reply = requests.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+    assert "choices" in reply, reply
+    choice = reply["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
@@ -255,12 +289,70 @@ def test_sync_sets_version_and_server_serves_new_weights(ring_server, random_mod
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort", "none"])
 def test_every_pause_mode_syncs(ring_server, random_model_dir, mode: str) -> None:
     model = _fresh_model(random_model_dir)
     with WeightSyncer(ring_server.url, model, WeightSyncConfig(pause_mode=mode)) as syncer:
         assert syncer.sync(20).verified is True
     assert ring_server.is_running()
+
+
+def _next_token_logprob(model, prompt: list[int], token: int) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].double()
+    return float(torch.log_softmax(logits, -1)[token])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_sync_without_pause_never_serves_prompt_kv_of_the_old_weights(ring_server,
+                                                                        random_model_dir) -> None:
+    """vLLM caches a prompt's full 128-token KV blocks. After a sync without /pause, a request
+    must not start from blocks the old weights computed: the syncer drops the prefix cache when
+    the server is idle; while requests are in flight vLLM refuses, and the ring's version salt
+    (``policy_salt``) is what keeps new requests off the old blocks."""
+    import requests
+
+    from grpo_nb.weight_sync import policy_salt
+
+    model = _fresh_model(random_model_dir)
+    vocab = model.config.vocab_size
+    prompt = [3 + (7 * i) % (vocab - 3) for i in range(200)]  # a full KV block and a partial one
+
+    def perturb() -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 5e-2)
+
+    def served_vs_trainer(salt: str | None = None) -> float:
+        ids, logps = _greedy(ring_server, prompt, 1, salt=salt)
+        return abs(logps[0] - _next_token_logprob(model, prompt, ids[0]))
+
+    with WeightSyncer(ring_server.url, model, WeightSyncConfig(pause_mode="none")) as syncer:
+        syncer.sync(60)
+        _greedy(ring_server, prompt, 1)  # caches the prompt's first block under version 60
+        perturb()
+        assert syncer.sync(61).verified is True
+        # Idle server: the cache was dropped, the same unsalted prompt is computed afresh.
+        assert served_vs_trainer() < 1e-3
+        _greedy(ring_server, prompt, 1)  # cached again, under version 61
+        body = {"model": ring_server.model_name, "prompt": [5, 6, 7], "max_tokens": 240,
+                "temperature": 1.0, "n": 8, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:  # requests in flight while the next sync runs
+            long = pool.submit(requests.post, f"{ring_server.url}/v1/completions", json=body,
+                               timeout=120)
+            time.sleep(0.5)
+            perturb()
+            assert syncer.sync(62).verified is True
+            assert not long.done(), "the long requests ended before the sync: make them longer"
+            assert long.result().status_code == 200
+        # vLLM kept the version-61 block (in use at the reset) ...
+        assert served_vs_trainer() > 1e-2, "the old block is gone: this test checks nothing"
+        # ... but a request salted with the new version does not start from it.
+        assert served_vs_trainer(policy_salt(62)) < 1e-3
+    restore = _fresh_model(random_model_dir)
+    with WeightSyncer(ring_server.url, restore) as s:
+        s.sync(63)
 
 
 @pytest.mark.vllm
@@ -305,11 +397,13 @@ class _FaultySource:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["raise", "rename"])
+@pytest.mark.parametrize(("mode", "pause"), [("raise", "keep"), ("rename", "keep"),
+                                             ("rename", "none")])
 def test_failure_mid_transfer_keeps_server_paused_until_a_resend(ring_server, random_model_dir,
-                                                                 mode: str) -> None:
+                                                                 mode: str, pause: str) -> None:
     model = _fresh_model(random_model_dir)
-    with WeightSyncer(ring_server.url, model, WeightSyncConfig(timeout_s=20)) as syncer:
+    with WeightSyncer(ring_server.url, model,
+                      WeightSyncConfig(timeout_s=20, pause_mode=pause)) as syncer:
         syncer.sync(40)
         with torch.no_grad():
             for p in model.parameters():

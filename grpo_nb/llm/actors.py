@@ -41,6 +41,7 @@ from grpo_nb.llm.trainer import make_batch, sequence_logprobs
 from grpo_nb.ring import Relay, RingError, Source
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient
 from grpo_nb.serving.rollouts import Group, Rollout
+from grpo_nb.weight_sync.client import policy_salt
 
 __all__ = ["Generator", "Reference", "RingSpec", "Scorer", "Trainer", "share"]
 
@@ -48,6 +49,14 @@ __all__ = ["Generator", "Reference", "RingSpec", "Scorer", "Trainer", "share"]
 def share(total: int, rank: int, k: int) -> int:
     """Generator ``rank``'s share of ``total`` groups split as evenly as possible over ``k``."""
     return total // k + (1 if rank < total % k else 0)
+
+
+def sampling_request(cfg: LLMConfig, version: int) -> dict[str, Any]:
+    """One group's request options: ``n = group_size`` samples (the server shares the
+    prompt's prefill), salted with the policy version so that no prompt KV of other weights
+    is reused (:func:`grpo_nb.weight_sync.policy_salt`)."""
+    return {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "n": cfg.group_size,
+            "cache_salt": policy_salt(version)}
 
 
 class Generator(Source):
@@ -117,9 +126,7 @@ class Generator(Source):
             version, start = self.version, time.time()
             try:
                 # One request with n = group_size: the server shares the prompt's prefill.
-                outs = await client.complete(prompt.ids, max_tokens=self.cfg.max_tokens,
-                                             temperature=self.cfg.temperature,
-                                             n=self.cfg.group_size)
+                outs = await client.complete(prompt.ids, **sampling_request(self.cfg, version))
             except CompletionError as err:
                 self._failed(err, client)
                 await asyncio.sleep(0.2)  # a struggling server: do not hammer it

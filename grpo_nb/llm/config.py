@@ -65,6 +65,9 @@ class LLMConfig:
             the model, the context length and the number of sequences in flight).
         sync.transport: ``gloo`` (the default) means "by device" on CUDA: ``nccl`` when the
             server has its own GPU, ``ipc`` when it shares the trainer's.
+        sync.pause_mode: ``none`` (the default: generation goes on during a sync, the update
+            runs between two engine steps) means ``keep`` on CUDA, where vLLM may schedule
+            the next step while one runs.
     """
 
     mode: Mode = "async"
@@ -109,7 +112,7 @@ class LLMConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     kv_cache_mb: int | None = None
     gpu_memory_utilization: float | None = None
-    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    sync: WeightSyncConfig = field(default_factory=lambda: WeightSyncConfig(pause_mode="none"))
 
     def __post_init__(self) -> None:
         if isinstance(self.sync, dict):

@@ -1,14 +1,19 @@
 """A cost model of one GRPO step, checked against a run's own metric rows.
 
 Per step the ring generates (G), trains (T) and syncs (S). In sync mode they alternate, so
-a step costs G + T + S. In async mode generation overlaps training, but every sync pauses the
-server (``pause_mode="keep"`` freezes requests in flight), so S is on both timelines::
+a step costs G + T + S. In async mode generation overlaps training. A sync that pauses the
+server (``pause_mode="keep"``, and on a GPU) puts S on both timelines; one without a pause
+(``"none"``, the ring's default on CPU) leaves generation running while the trainer syncs::
 
-    server  : ──generate (G)──┤ paused (S) ├──generate──…
-    trainer : ─wait─┤train (T)├ sync (S)   ├─wait─┤train…      step ≈ max(G, T) + S
+    paused : server  ──generate (G)──┤ paused (S) ├──generate──…
+             trainer ─wait─┤train (T)├ sync (S)   ├─wait─┤train…   step ≈ max(G, T) + S
+    none   : server  ──generate (G)─────────────────generate──…
+             trainer ─wait─┤train (T)├ sync (S)├─wait─┤train…      step ≈ max(G, T + S)
 
-``overlap_bound`` = (G + T + S) / max(G, T + S) is the most any overlap could give (a sync
-that did not stop generation); ``model_speedup`` = (G + T + S) / (max(G, T) + S) is this ring's.
+``overlap_bound`` = (G + T + S) / max(G, T + S) is the most overlap gives when each phase
+costs what it cost alone; ``model_speedup`` is the ring's model for its pause mode (equal to
+the bound without a pause). A real async server holds more requests at once, and batching
+makes each cheaper, so a measured speed-up can exceed the bound by a little.
 
 Only ``step``, ``sync``, ``eval`` and ``skipped`` rows are read, so a recorded run (whose
 ``busy`` rows are trimmed) gives the same numbers as the live one.
@@ -16,8 +21,10 @@ Only ``step``, ``sync``, ``eval`` and ``skipped`` rows are read, so a recorded r
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import fmean
 from typing import Any
 
@@ -97,16 +104,24 @@ def step_phases(rows: Iterable[Row], checkpoint_every: int | None = None) -> Ste
                       sync=sync, generate=mean("generate"))
 
 
-def predict(sync_run: StepPhases) -> Prediction:
+def predict(sync_run: StepPhases, *, paused: bool = True) -> Prediction:
     """Both modes' step times from the sync run's phases, where each is timed alone.
 
     G is the sync run's ``generate``; S its mean sync per step (with ``sync_every = k``,
-    one step in k carries a sync, so S is already divided by k)."""
+    one step in k carries a sync, so S is already divided by k). ``paused``: whether a sync
+    stops generation (every pause mode but ``"none"``)."""
     g, t, s = sync_run.generate, sync_run.train, sync_run.sync
-    sync_step, async_step = g + t + s, max(g, t) + s
+    sync_step = g + t + s
+    async_step = max(g, t) + s if paused else max(g, t + s)
     return Prediction(G=g, T=t, S=s, sync_step=sync_step, async_step=async_step,
                       overlap_bound=sync_step / max(g, t + s),
                       model_speedup=sync_step / async_step)
+
+
+def run_pause_mode(run_dir: str | Path) -> str:
+    """The pause mode a run's syncs used (its ``config.json``; older runs: ``"keep"``)."""
+    config = json.loads((Path(run_dir) / "config.json").read_text())
+    return str(config.get("sync", {}).get("pause_mode", "keep"))
 
 
 def loop_seconds(rows: Iterable[Row]) -> float:

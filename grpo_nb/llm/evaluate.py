@@ -45,18 +45,21 @@ def answer_checker(name: str) -> Callable[[str, str], float]:
 
 async def greedy_accuracy(client: Any, prompts: Sequence[Prompt],
                           checker: Callable[[str, str], float], max_tokens: int, *,
-                          batch: int = 64, keep_samples: int = 3) -> EvalResult:
+                          batch: int = 64, keep_samples: int = 3,
+                          cache_salt: str | None = None) -> EvalResult:
     """Greedy-decode every prompt through ``client`` (a ``CompletionsClient``) and score it.
 
     ``batch`` prompts go in one request (vLLM batches them itself); the client's
-    ``max_in_flight`` bounds how many such requests run at once.
+    ``max_in_flight`` bounds how many such requests run at once. ``cache_salt`` (the served
+    weight version) keeps vLLM from reusing prompt KV that other weights computed.
     """
     if not prompts:
         return EvalResult(float("nan"), 0, 0)
 
     async def chunk(part: Sequence[Prompt]) -> list[Any]:
         outs = await client.complete([list(p.ids) for p in part], max_tokens=max_tokens,
-                                     temperature=0.0, n=1)
+                                     temperature=0.0, n=1,
+                                     **({"cache_salt": cache_salt} if cache_salt else {}))
         if len(outs) != len(part):
             raise RuntimeError(f"evaluation: {len(part)} prompts, {len(outs)} completions")
         return outs

@@ -21,6 +21,7 @@ from grpo_nb.llm.trainer import PolicyTrainer
 from grpo_nb.ring import RingError, Sink, cancel_task
 from grpo_nb.serving.client import ClientConfig, CompletionsClient
 from grpo_nb.serving.rollouts import Group
+from grpo_nb.weight_sync.client import policy_salt
 
 
 class Trainer(Sink):
@@ -192,7 +193,8 @@ class Trainer(Sink):
             self.pt.last_verified = res.version
         self.busy.add("sync", start)
         self.report("sync", step=self.pt.step_count, version=res.version, ms=res.ms,
-                    bytes=res.bytes, verified=res.verified, gap=self.syncer.last_gap)
+                    bytes=res.bytes, verified=res.verified, gap=self.syncer.last_gap,
+                    phases={k: round(v, 2) for k, v in res.phases.items()})
 
     async def _eval(self) -> None:
         """Greedy accuracy on the held-out prompts, sampled by the server (see evaluate.py)."""
@@ -205,7 +207,8 @@ class Trainer(Sink):
                                      ClientConfig(max_in_flight=4, timeout_s=600.0, retries=2),
                                      api_key=spec.api_key) as client:
             res = await greedy_accuracy(client, spec.eval_prompts,
-                                        answer_checker(spec.reward_default), self.cfg.max_tokens)
+                                        answer_checker(spec.reward_default), self.cfg.max_tokens,
+                                        cache_salt=policy_salt(self.pt.version))
         self.busy.add("eval", start)
         self.report("eval", step=self.pt.step_count, accuracy=res.accuracy, n=res.n,
                     truncated=res.truncated, version=self.pt.version, pid=os.getpid())

@@ -134,10 +134,11 @@ def trainer_device(cfg: Any) -> str:
 
 def sync_of(cfg: Any) -> WeightSyncConfig:
     """``cfg.sync`` with the transport and tolerance this device and dtype need."""
-    transport = cfg.sync.transport
+    transport, pause = cfg.sync.transport, cfg.sync.pause_mode
     if device_of(cfg) == "cuda" and transport == "gloo":
         transport = "nccl" if gpu_count() >= 2 else "ipc"
-    return replace(cfg.sync, transport=transport,
+        pause = "keep" if pause == "none" else pause  # "none" is only sure on vLLM's CPU engine
+    return replace(cfg.sync, transport=transport, pause_mode=pause,
                    atol=max(cfg.sync.atol, DTYPE_ATOL[dtype_of(cfg)]))
 
 

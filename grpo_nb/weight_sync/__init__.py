@@ -15,7 +15,7 @@ The server must load :mod:`grpo_nb.weight_sync.worker` with ``--worker-extension
 (:meth:`WeightSyncConfig.server_settings` returns the ``ServerConfig`` fields to set).
 """
 
-from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError
+from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError, policy_salt
 from grpo_nb.weight_sync.syncer import (
     EXTENSION,
     SyncResult,
@@ -25,4 +25,4 @@ from grpo_nb.weight_sync.syncer import (
 )
 
 __all__ = ["EXTENSION", "SyncResult", "VLLMControlClient", "WeightSyncConfig", "WeightSyncError",
-           "WeightSyncer", "model_bytes"]
+           "WeightSyncer", "model_bytes", "policy_salt"]

@@ -27,6 +27,14 @@ class WeightSyncError(RuntimeError):
     """A weight sync (or its verification) failed; the trainer's version must not advance."""
 
 
+def policy_salt(version: int) -> str:
+    """The ``cache_salt`` of requests sampled under weight ``version``: vLLM reuses cached
+    prompt KV only between requests with the same salt, so no request of a newer policy starts
+    from KV that older weights computed (a sync with ``pause_mode="none"`` leaves that KV cached
+    while requests are in flight)."""
+    return f"policy-v{version}"
+
+
 class VLLMControlClient:
     """vLLM's weight-sync client protocol over HTTP, plus pause / resume / RPC / version.
 
@@ -111,6 +119,10 @@ class VLLMControlClient:
 
     def weight_version(self) -> str | None:
         return self._request("GET", "weight_info").json().get("weight_version")
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the server's cached prompt KV; False while requests in flight still hold it."""
+        return bool(self._request("POST", "reset_prefix_cache").json().get("success"))
 
     def set_weight_version(self, version: str) -> None:
         self._request("POST", "update_weight_version", json={"new_version": version})

@@ -4,7 +4,7 @@ One :class:`WeightSyncer` per (trainer model, server). Each :meth:`WeightSyncer.
 vLLM's own weight-update flow and sets a new weight version on the server::
 
     sync(version)
-      ├─ /pause?mode=keep|wait|abort      (why pause: no token is sampled from half-new weights)
+      ├─ /pause?mode=keep|wait|abort      (no token sampled from half-new weights; "none": below)
       ├─ transport
       │    gloo   : vLLM WeightTransferTrainerFactory → our gloo engine (start + update +
       │             finish in one /collective_rpc, overlapped with our broadcasts)
@@ -24,10 +24,17 @@ each step and ``round_trips`` counts the HTTP calls (gloo: pause, update, versio
 
 Pause modes. ``keep`` freezes in-flight requests and continues them on the new weights (their
 early tokens came from the old policy: staleness *within* a sample, which the importance
-ratio against the sampler's logprobs accounts for). ``wait`` lets them finish first (the sync
-waits for the longest request). ``abort`` ends them with ``finish_reason="abort"`` (the
-generator must drop or retry them).
-
+ratio against the sampler's logprobs accounts for); vLLM drops their KV cache and recomputes
+it under the new weights when they resume. ``wait`` lets them finish first (the sync waits
+for the longest request). ``abort`` ends them with ``finish_reason="abort"`` (the generator
+must drop or retry them). ``none`` sends no /pause at all: the whole update is one engine
+RPC, and vLLM's CPU engine runs RPCs and engine steps in turn (no asynchronous scheduling on
+CPU), so no step sees half-new weights; requests in flight go on with the KV the old weights
+computed, as in PipelineRL's in-flight updates (the ratio against the sampler's log-probs
+accounts for every token), and new ones do not reuse it (:func:`policy_salt`, and the prefix
+cache is dropped when idle). It saves /pause and /resume, vLLM's 20 ms wait inside /pause and
+the re-prefill of every request in flight. CPU transports only (``gloo``, ``reload``). If such
+a sync fails mid-transfer, the syncer pauses the server at once (``abort``), as dirty.
 Any failure raises :class:`WeightSyncError`; the caller's version must not advance then.
 """
 
@@ -48,7 +55,7 @@ from grpo_nb.serving.net import free_port
 from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError
 
 Transport = Literal["gloo", "reload", "nccl", "ipc"]
-PauseMode = Literal["keep", "wait", "abort"]
+PauseMode = Literal["keep", "wait", "abort", "none"]
 EXTENSION = "grpo_nb.weight_sync.worker.GrpoWorkerExtension"
 
 
@@ -61,8 +68,7 @@ class WeightSyncConfig:
             one per side) or ``ipc`` (GPU shared by trainer and server).
         pause_mode: what happens to in-flight requests during a sync (see module docstring).
         verify: after each sync, check that the served weights equal the trainer's.
-        chunk_mb: unused since the gloo engine sends each tensor as it is (kept so that
-            saved configs still load).
+        chunk_mb: unused (the gloo engine sends each tensor as it is; old configs load).
         timeout_s: HTTP and process-group timeout; bounds how long a dead peer can block.
         atol: largest probe log-prob difference that still counts as "same weights".
         probe_batch / probe_len: size of the probe used by :meth:`WeightSyncer.verify`.
@@ -81,9 +87,13 @@ class WeightSyncConfig:
         if self.transport not in ("gloo", "reload", "nccl", "ipc"):
             raise ValueError(f"WeightSyncConfig.transport={self.transport!r}: "
                              "use 'gloo', 'reload', 'nccl' or 'ipc'")
-        if self.pause_mode not in ("keep", "wait", "abort"):
+        if self.pause_mode not in ("keep", "wait", "abort", "none"):
             raise ValueError(f"WeightSyncConfig.pause_mode={self.pause_mode!r}: "
-                             "use 'keep', 'wait' or 'abort'")
+                             "use 'keep', 'wait', 'abort' or 'none'")
+        if self.pause_mode == "none" and self.transport not in ("gloo", "reload"):
+            raise ValueError(f"WeightSyncConfig.pause_mode='none' needs a CPU transport "
+                             f"('gloo' or 'reload'), not {self.transport!r}: only vLLM's CPU "
+                             "engine is sure to run the update between two engine steps (use 'keep')")
         if self.chunk_mb < 1:
             raise ValueError(f"WeightSyncConfig.chunk_mb={self.chunk_mb}: must be >= 1")
         if self.timeout_s <= 0:
@@ -109,9 +119,9 @@ class SyncResult:
 
     ``phases`` holds milliseconds per phase: ``pause``, ``transfer`` (trainer side: gloo sends
     / safetensors write), ``load`` (server side: ``load_weights`` / the reload RPC),
-    ``finish`` (server side: layer processing after the last tensor; gloo), ``version``,
-    ``resume`` and ``total``; gloo adds the server's ``start`` and ``wait`` (time it blocked
-    on the wire) and ``rpc`` (the update call's wall time seen by the trainer).
+    ``finish`` (server side: layer processing after the last tensor; gloo), ``cache`` (``none``
+    only: the prefix-cache reset), ``version``, ``resume`` and ``total``; gloo adds the server's
+    ``start``, ``wait`` (blocked on the wire) and ``rpc`` (the update call seen by the trainer).
     ``round_trips`` counts the HTTP calls the sync made (verification not included).
     """
 
@@ -159,6 +169,7 @@ class WeightSyncer:
         self._tmp: Path | None = None
         self._model_name: str | None = None
         self.last_gap: float | None = None
+        self._held = False  # the server is paused by a failed "none" sync (see sync)
 
     # ── setup / teardown ──
 
@@ -221,13 +232,15 @@ class WeightSyncer:
         """
         phases, trips = _Phases(), self.client.round_trips
         start = time.perf_counter()
-        pause_attempted = touched = False
+        touched = False
+        paused = self._held  # a dirty server that "none" paused stays so until a full re-send
         failure: BaseException | None = None
         try:
             self.connect()
-            pause_attempted = True
-            with phases("pause"):
-                self.client.pause(self.cfg.pause_mode)
+            if self.cfg.pause_mode != "none":
+                paused = True  # resume after any attempted /pause
+                with phases("pause"):
+                    self.client.pause(self.cfg.pause_mode)
             touched = True  # from here on the served weights may be half-new
             self._transfer(str(version), phases)
             self.dirty = None
@@ -236,8 +249,13 @@ class WeightSyncer:
             if touched:
                 self.dirty = f"sync to version {version}: {type(err).__name__}: {err}"
                 self._drop_engine()  # a fresh group next time: this one may be mid-stream
+                if not paused:  # "none": stop sampling from half-new weights now
+                    with contextlib.suppress(Exception):
+                        self.client.pause("abort")
+                        paused = True
         finally:
-            resume_error = self._resume(phases) if pause_attempted and not self.dirty else None
+            resume_error = self._resume(phases) if paused and not self.dirty else None
+            self._held = paused and self.dirty is not None
         if failure is not None:
             raise self._failure(version, failure, touched, resume_error) from failure
         if resume_error is not None:
@@ -292,8 +310,15 @@ class WeightSyncer:
         phases.update(transfer=report.send_ms, rpc=report.rpc_ms,
                       start=server.get("start_ms", 0.0), wait=server.get("wait_ms", 0.0),
                       load=server.get("load_ms", 0.0), finish=server.get("finish_ms", 0.0))
+        self._forget_old_prompts(phases)
         with phases("version"):
             self.client.set_weight_version(version)
+
+    def _forget_old_prompts(self, phases: _Phases) -> None:
+        """``none``: drop the old weights' prompt KV (vLLM refuses while requests hold it)."""
+        if self.cfg.pause_mode == "none":
+            with phases("cache"):
+                self.client.reset_prefix_cache()
 
     def _reload(self, version: str, phases: _Phases) -> None:
         if self._tmp is None:
@@ -310,6 +335,7 @@ class WeightSyncer:
         with phases("load"):
             self.client.collective_rpc("reload_weights", {"weights_path": str(self._tmp)},
                                        timeout=self.cfg.timeout_s)
+        self._forget_old_prompts(phases)
         with phases("version"):
             self.client.set_weight_version(version)
 
