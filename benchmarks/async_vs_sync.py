@@ -59,6 +59,7 @@ def bound(sync_run: Any, paused: bool) -> dict[str, float]:
         return {}
     pr = predict(sync_run, paused=paused)
     return {"G": round(pr.G, 3), "T": round(pr.T, 3), "S": round(pr.S, 3),
+            "S_server": round(pr.S_server, 3),
             "predicted_sync_step_s": round(pr.sync_step, 3),
             "predicted_async_step_s": round(pr.async_step, 3),
             "overlap_bound": round(pr.overlap_bound, 2),

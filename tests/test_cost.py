@@ -78,6 +78,22 @@ def test_predict_generation_bound() -> None:
     assert free.model_speedup == pytest.approx(free.overlap_bound) == pytest.approx(1.05 / 0.55)
 
 
+def test_without_a_pause_the_engine_still_stops_for_the_update() -> None:
+    """Only the server-side phases (start, wait, load, finish) stop generation: step 2's sync
+    holds 5 + 40 ms of them (its 30 ms version call does not count), step 3's 20 + 60 ms, so
+    S_server = .0625 and the async step is max(G + S_server, T + S) = max(.6125, .50)."""
+    rows = sync_run()
+    rows[2] = {**rows[2], "phases": {"start": 5.0, "load": 40.0, "version": 30.0}}
+    rows[5] = {**rows[5], "phases": {"wait": 20.0, "load": 60.0}}
+    p = step_phases(rows)
+    assert p.server_sync == pytest.approx(0.0625)
+    free = predict(p, paused=False)
+    assert free.S_server == pytest.approx(0.0625) and free.async_step == pytest.approx(0.6125)
+    assert free.model_speedup == pytest.approx(1.05 / 0.6125)
+    assert free.model_speedup < free.overlap_bound
+    assert predict(p).async_step == pytest.approx(0.70)  # a paused sync: S_server is in S
+
+
 def test_predict_training_bound() -> None:
     """G = .2 < T = .5, S = .1: the trainer sets the pace, sync is on its timeline either
     way, so the paused-server model and the overlap bound agree: .8 / .6."""

@@ -174,6 +174,12 @@ def test_a_sync_without_pause_pauses_at_once_when_it_fails_and_resumes_after_a_r
         syncer.sync(4)
         assert "/resume" not in stub.calls and "/pause" not in stub.calls
         syncer.close()
+        # A client whose every request is salted with its policy version has no cache to drop.
+        stub.calls.clear()
+        salted = WeightSyncer(stub.url, syncer.model, syncer.cfg, salted=True)
+        salted.sync(5)
+        assert stub.calls == ["/collective_rpc", "/update_weight_version"]
+        salted.close()
     finally:
         stub.close()
 

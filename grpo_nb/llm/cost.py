@@ -7,12 +7,12 @@ server (``pause_mode="keep"``, and on a GPU) puts S on both timelines; one witho
 
     paused : server  ──generate (G)──┤ paused (S) ├──generate──…
              trainer ─wait─┤train (T)├ sync (S)   ├─wait─┤train…   step ≈ max(G, T) + S
-    none   : server  ──generate (G)─────────────────generate──…
-             trainer ─wait─┤train (T)├ sync (S)├─wait─┤train…      step ≈ max(G, T + S)
+    none   : server  ──generate (G)──┤load├──generate──…      (the engine stops only for the
+             trainer ─wait─┤train (T)├ sync (S)├─wait─┤train…  update: S_server, part of S)
+                                                step ≈ max(G + S_server, T + S)
 
 ``overlap_bound`` = (G + T + S) / max(G, T + S) is the most overlap gives when each phase
-costs what it cost alone; ``model_speedup`` is the ring's model for its pause mode (equal to
-the bound without a pause). A real async server holds more requests at once, and batching
+costs what it cost alone; ``model_speedup`` is the ring's model for its pause mode. A real async server holds more requests at once, and batching
 makes each cheaper, so a measured speed-up can exceed the bound by a little.
 
 Only ``step``, ``sync``, ``eval`` and ``skipped`` rows are read, so a recorded run (whose
@@ -30,6 +30,7 @@ from typing import Any
 
 Row = Mapping[str, Any]
 _KINDS = ("step", "sync", "eval", "skipped")  # the rows the model reads
+SERVER_PHASES = ("start", "wait", "load", "finish")  # a sync's phases inside the engine
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,9 @@ class StepPhases:
     the first request of the step's groups until the trainer had them all (the largest group
     ``age_s`` minus ``train``). It is the generation time G only in sync mode, where a step's
     groups are requested after the previous sync; in async mode they were requested earlier
-    and sat ready in a queue."""
+    and sat ready in a queue. ``server_sync`` is the part of ``sync`` the server's engine
+    spent on the update itself (the gloo engine's start, receive, load and finish, or the
+    reload RPC; 0 for runs that did not record sync phases)."""
 
     steps: int
     step: float
@@ -50,6 +53,7 @@ class StepPhases:
     train: float
     sync: float
     generate: float
+    server_sync: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Prediction:
     G: float
     T: float
     S: float
+    S_server: float
     sync_step: float
     async_step: float
     overlap_bound: float
@@ -82,9 +87,11 @@ def steady_intervals(rows: Iterable[Row], checkpoint_every: int | None = None
             continue
         if checkpoint_every and prev["step"] % checkpoint_every == 0:
             continue
-        sync = sum(r["ms"] for r in inside if r["kind"] == "sync") / 1000.0
+        syncs = [r for r in inside if r["kind"] == "sync"]
+        server = sum(r.get("phases", {}).get(k, 0.0) for r in syncs for k in SERVER_PHASES)
         train = float(cur["train_s"])
-        out.append({"step": cur["t"] - prev["t"], "train": train, "sync": sync,
+        out.append({"step": cur["t"] - prev["t"], "train": train,
+                    "sync": sum(r["ms"] for r in syncs) / 1000.0, "server_sync": server / 1000.0,
                     "generate": max(cur["age_s"]) - train})
     return out
 
@@ -101,7 +108,7 @@ def step_phases(rows: Iterable[Row], checkpoint_every: int | None = None) -> Ste
 
     step, train, sync = mean("step"), mean("train"), mean("sync")
     return StepPhases(steps=len(ivs), step=step, wait=step - train - sync, train=train,
-                      sync=sync, generate=mean("generate"))
+                      sync=sync, generate=mean("generate"), server_sync=mean("server_sync"))
 
 
 def predict(sync_run: StepPhases, *, paused: bool = True) -> Prediction:
@@ -109,11 +116,13 @@ def predict(sync_run: StepPhases, *, paused: bool = True) -> Prediction:
 
     G is the sync run's ``generate``; S its mean sync per step (with ``sync_every = k``,
     one step in k carries a sync, so S is already divided by k). ``paused``: whether a sync
-    stops generation (every pause mode but ``"none"``)."""
-    g, t, s = sync_run.generate, sync_run.train, sync_run.sync
+    stops generation (every pause mode but ``"none"``); without a pause the engine still
+    stops for the update itself (``S_server``, part of S)."""
+    g, t, s, s_server = sync_run.generate, sync_run.train, sync_run.sync, sync_run.server_sync
     sync_step = g + t + s
-    async_step = max(g, t) + s if paused else max(g, t + s)
-    return Prediction(G=g, T=t, S=s, sync_step=sync_step, async_step=async_step,
+    async_step = max(g, t) + s if paused else max(g + s_server, t + s)
+    return Prediction(G=g, T=t, S=s, S_server=s_server, sync_step=sync_step,
+                      async_step=async_step,
                       overlap_bound=sync_step / max(g, t + s),
                       model_speedup=sync_step / async_step)
 

@@ -68,8 +68,9 @@ class Trainer(Sink):
                                  placement.trainer_device(cfg), placement.dtype_of(cfg))
         self.pt = PolicyTrainer(model, tok, cfg)
         resumed = self.pt.load(spec.resume_dir) if spec.resume_dir else {}
+        # salted: the generators and the evaluation salt every request with its version
         self.syncer = WeightSyncer(spec.server_url, model, placement.sync_of(cfg),
-                                   api_key=spec.api_key)
+                                   api_key=spec.api_key, salted=True)
         self.deadline: float | None = None  # time.time() at which the time budget runs out
         self.stopping = asyncio.Event()
         self.next_msg: asyncio.Task | None = None  # a receive still pending when stop came

@@ -31,8 +31,8 @@ must drop or retry them). ``none`` sends no /pause at all: the whole update is o
 RPC, and vLLM's CPU engine runs RPCs and engine steps in turn (no asynchronous scheduling on
 CPU), so no step sees half-new weights; requests in flight go on with the KV the old weights
 computed, as in PipelineRL's in-flight updates (the ratio against the sampler's log-probs
-accounts for every token), and new ones do not reuse it (:func:`policy_salt`, and the prefix
-cache is dropped when idle). It saves /pause and /resume, vLLM's 20 ms wait inside /pause and
+accounts for every token), and new ones do not reuse it (requests salted with
+:func:`policy_salt`, as the ring's are, or the prefix cache is dropped, refused while busy). It saves /pause and /resume, vLLM's 20 ms wait inside /pause and
 the re-prefill of every request in flight. CPU transports only (``gloo``, ``reload``). If such
 a sync fails mid-transfer, the syncer pauses the server at once (``abort``), as dirty.
 Any failure raises :class:`WeightSyncError`; the caller's version must not advance then.
@@ -158,9 +158,10 @@ class WeightSyncer:
     succeeds. A failure before that point (e.g. ``/pause`` timed out) still resumes.
     """
 
-    def __init__(self, url: str, model: torch.nn.Module,
-                 cfg: WeightSyncConfig | None = None, *, api_key: str | None = None) -> None:
+    def __init__(self, url: str, model: torch.nn.Module, cfg: WeightSyncConfig | None = None,
+                 *, api_key: str | None = None, salted: bool = False) -> None:
         self.cfg = cfg or WeightSyncConfig()
+        self.salted = salted  # every sampling request carries policy_salt: no cache to drop
         self.model = model
         self.client = VLLMControlClient(url, timeout=self.cfg.timeout_s, api_key=api_key)
         self.engine: Any = None
@@ -316,7 +317,7 @@ class WeightSyncer:
 
     def _forget_old_prompts(self, phases: _Phases) -> None:
         """``none``: drop the old weights' prompt KV (vLLM refuses while requests hold it)."""
-        if self.cfg.pause_mode == "none":
+        if self.cfg.pause_mode == "none" and not self.salted:
             with phases("cache"):
                 self.client.reset_prefix_cache()
 
