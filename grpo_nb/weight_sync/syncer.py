@@ -4,7 +4,7 @@ One :class:`WeightSyncer` per (trainer model, server). Each :meth:`WeightSyncer.
 vLLM's own weight-update flow and sets a new weight version on the server::
 
     sync(version)
-      ├─ /pause?mode=keep|wait|abort      (no token sampled from half-new weights; "none": below)
+      ├─ /pause?mode=keep|wait|abort   (no token from half-new weights; "none": see below)
       ├─ transport
       │    gloo   : vLLM WeightTransferTrainerFactory → our gloo engine (start + update +
       │             finish in one /collective_rpc, overlapped with our broadcasts)
@@ -31,10 +31,10 @@ must drop or retry them). ``none`` sends no /pause at all: the whole update is o
 RPC, and vLLM's CPU engine runs RPCs and engine steps in turn (no asynchronous scheduling on
 CPU), so no step sees half-new weights; requests in flight go on with the KV the old weights
 computed, as in PipelineRL's in-flight updates (the ratio against the sampler's log-probs
-accounts for every token), and new ones do not reuse it (requests salted with
-:func:`policy_salt`, as the ring's are, or the prefix cache is dropped, refused while busy). It saves /pause and /resume, vLLM's 20 ms wait inside /pause and
-the re-prefill of every request in flight. CPU transports only (``gloo``, ``reload``). If such
-a sync fails mid-transfer, the syncer pauses the server at once (``abort``), as dirty.
+accounts for every token); new ones do not reuse it (the ring salts each request with
+:func:`policy_salt`; else the syncer drops the prefix cache, which vLLM refuses while busy).
+It saves /pause, /resume and the re-prefill of every request in flight. CPU transports only
+(``gloo``, ``reload``). A failure mid-transfer pauses the server at once (``abort``), as dirty.
 Any failure raises :class:`WeightSyncError`; the caller's version must not advance then.
 """
 
@@ -93,7 +93,7 @@ class WeightSyncConfig:
         if self.pause_mode == "none" and self.transport not in ("gloo", "reload"):
             raise ValueError(f"WeightSyncConfig.pause_mode='none' needs a CPU transport "
                              f"('gloo' or 'reload'), not {self.transport!r}: only vLLM's CPU "
-                             "engine is sure to run the update between two engine steps (use 'keep')")
+                             "engine surely runs the update between two steps (use 'keep')")
         if self.chunk_mb < 1:
             raise ValueError(f"WeightSyncConfig.chunk_mb={self.chunk_mb}: must be >= 1")
         if self.timeout_s <= 0:
