@@ -44,15 +44,16 @@ def phases(run_dir: str | Path) -> dict[str, Any]:
     names = sorted({k for r in sync_rows for k in r["phases"]})
     sync_phases = {k: round(statistics.median(r["phases"].get(k, 0.0) for r in sync_rows), 1)
                    for k in names} if sync_rows else {}
-    return {"sync_phases_ms": sync_phases,"steps": steps, "loop_s": round(loop_seconds(rows), 2), "step_s": round(p.step, 3),
-            "per_step_s": {k: round(v, 3) for k, v in per.items()}, "cost": p}
+    return {"steps": steps, "loop_s": round(loop_seconds(rows), 2), "step_s": round(p.step, 3),
+            "per_step_s": {k: round(v, 3) for k, v in per.items()},
+            "sync_phases_ms": sync_phases, "cost": p}
 
 
 def bound(sync_run: Any, paused: bool) -> dict[str, float]:
     """What overlap can give with the sync run's phases G, T, S (:func:`grpo_nb.llm.cost.predict`):
     ``overlap_bound`` = (G + T + S) / max(G, T + S); a sync that pauses the server makes the
-    async step max(G, T) + S, and ``paused_bound`` is what remains then (the model of a sync
-    without a pause is the overlap bound)."""
+    async step max(G, T) + S (``paused_bound``); ``model_speedup`` is the model of the run's
+    own pause mode (without a pause: max(G + S_server, T + S))."""
     from grpo_nb.llm.cost import predict
 
     if sync_run is None:  # too few steps to model
@@ -74,8 +75,6 @@ async def _pair(model_dir: str, base: Any, pin: bool, stamp: str,
     With ``repeats`` > 1 the pair runs again in alternating order (async→sync, sync→async, …)
     so a drift in the machine's speed hits both modes alike; ``speedup_async`` is then the
     median of the pairs' ratios and ``pairs`` lists each one."""
-    from statistics import median
-
     from grpo_nb import partition
     from grpo_nb.llm.run import server_for, train
 
@@ -110,8 +109,8 @@ async def _pair(model_dir: str, base: Any, pin: bool, stamp: str,
     first = pairs[0]
     for key in ("async", "sync", "bound"):
         out[key] = first[key]
-    out["speedup_async"] = median(p["speedup_async"] for p in pairs)
-    out["speedup_whole_run"] = median(p["speedup_whole_run"] for p in pairs)
+    out["speedup_async"] = statistics.median(p["speedup_async"] for p in pairs)
+    out["speedup_whole_run"] = statistics.median(p["speedup_whole_run"] for p in pairs)
     out["async_step_s_measured"] = first["async"]["step_s"]
     if repeats > 1:
         out["pairs"] = [{"speedup_async": p["speedup_async"],

@@ -12,8 +12,9 @@ server (``pause_mode="keep"``, and on a GPU) puts S on both timelines; one witho
                                                 step ≈ max(G + S_server, T + S)
 
 ``overlap_bound`` = (G + T + S) / max(G, T + S) is the most overlap gives when each phase
-costs what it cost alone; ``model_speedup`` is the ring's model for its pause mode. A real async server holds more requests at once, and batching
-makes each cheaper, so a measured speed-up can exceed the bound by a little.
+costs what it cost alone; ``model_speedup`` is the ring's model for its pause mode. A real
+async server holds more requests at once, and batching makes each cheaper, so a measured
+speed-up can exceed the bound by a little.
 
 Only ``step``, ``sync``, ``eval`` and ``skipped`` rows are read, so a recorded run (whose
 ``busy`` rows are trimmed) gives the same numbers as the live one.

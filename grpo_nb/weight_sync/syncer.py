@@ -119,8 +119,8 @@ class SyncResult:
 
     ``phases`` holds milliseconds per phase: ``pause``, ``transfer`` (trainer side: gloo sends
     / safetensors write), ``load`` (server side: ``load_weights`` / the reload RPC),
-    ``finish`` (server side: layer processing after the last tensor; gloo), ``cache`` (``none``
-    only: the prefix-cache reset), ``version``, ``resume`` and ``total``; gloo adds the server's
+    ``finish`` (server side: layer processing after the last tensor; gloo), ``cache`` (``none``,
+    unsalted: the prefix-cache reset), ``version``, ``resume`` and ``total``; gloo adds the server's
     ``start``, ``wait`` (blocked on the wire) and ``rpc`` (the update call seen by the trainer).
     ``round_trips`` counts the HTTP calls the sync made (verification not included).
     """
