@@ -31,7 +31,7 @@ from typing import Any
 
 def phases(run_dir: str | Path) -> dict[str, Any]:
     """The training loop's wall time and its steady steps' phases (:mod:`grpo_nb.llm.cost`)."""
-    from grpo_nb.llm.cost import loop_seconds, step_phases
+    from grpo_nb.llm.cost import loop_seconds, steady_sync_phases, step_phases
     from grpo_nb.metrics import load_metrics
 
     rows = load_metrics(run_dir).rows()
@@ -40,10 +40,7 @@ def phases(run_dir: str | Path) -> dict[str, Any]:
         return {"steps": steps}
     p = step_phases(rows)
     per = {"wait": p.wait, "train": p.train, "sync": p.sync, "generate": p.generate}
-    sync_rows = [r for r in rows if r["kind"] == "sync" and r.get("phases")][2:]  # steady ones
-    names = sorted({k for r in sync_rows for k in r["phases"]})
-    sync_phases = {k: round(statistics.median(r["phases"].get(k, 0.0) for r in sync_rows), 1)
-                   for k in names} if sync_rows else {}
+    sync_phases = {k: round(v, 1) for k, v in steady_sync_phases(rows).items()}
     return {"steps": steps, "loop_s": round(loop_seconds(rows), 2), "step_s": round(p.step, 3),
             "per_step_s": {k: round(v, 3) for k, v in per.items()},
             "sync_phases_ms": sync_phases, "cost": p}

@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from grpo_nb.llm.cost import loop_seconds, predict, steady_intervals, step_phases
+from grpo_nb.llm.cost import (
+    loop_seconds,
+    predict,
+    steady_intervals,
+    steady_sync_phases,
+    step_phases,
+)
 
 
 def step(t: float, n: int, train: float, age: list[float], wall: float = 0.0) -> dict[str, Any]:
@@ -128,6 +134,16 @@ def test_sync_every_two_halves_s() -> None:
     assert p.steps == 4
     assert p.sync == pytest.approx(0.1)
     assert p.step == pytest.approx(0.6)  # (0.5 + 0.7 + 0.5 + 0.7) / 4
+
+
+def test_sync_phases_come_from_steady_steps_only() -> None:
+    """The pre-loop sync (step 0) and the one inside step 4's eval interval are left out."""
+    rows = sync_run()
+    for i, load in ((0, 900.0), (2, 40.0), (5, 60.0), (7, 80.0), (8, 700.0)):
+        if rows[i]["kind"] == "sync":
+            rows[i] = {**rows[i], "phases": {"load": load, "version": 5.0}}
+    rows.insert(9, {**sync(13.5, 3, 100.0), "phases": {"load": 700.0, "pause": 1.0}})
+    assert steady_sync_phases(rows) == {"load": 50.0, "version": 5.0}
 
 
 def test_checkpoints_and_skipped_steps_are_left_out() -> None:

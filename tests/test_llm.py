@@ -34,6 +34,7 @@ from grpo_nb.serving.rollouts import Group, Rollout
     ({"mode": "turbo"}, "mode"),
     ({"loss_agg": "sum"}, "loss_agg"),
     ({"steps": 0}, "steps"),
+    ({"num_iterations": 0}, "num_iterations"),
     ({"lr": 0.0}, "lr"),
     # off-policy: combinations that could never admit a group, or that would do nothing
     ({"sync_every": 4, "max_staleness": 2}, "sync_every=4 > max_staleness"),
@@ -153,7 +154,7 @@ def test_non_finite_loss_skips_the_step_and_leaves_weights_alone(random_model_di
     groups = [_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])]
     before = _params(model)
     real = pt._micro_loss
-    monkeypatch.setattr(pt, "_micro_loss", lambda b: (real(b)[0] * math.nan, {}))
+    monkeypatch.setattr(pt, "_micro_loss", lambda *a: (real(*a)[0] * math.nan, {}))
     row = pt.step(groups)
     assert row["skipped"] == "loss=nan" and row["skipped_steps"] == 1 and pt.step_count == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -172,6 +173,49 @@ def test_non_finite_gradient_skips_the_step(random_model_dir, monkeypatch) -> No
     row = pt.step([_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])])
     assert row["skipped"] == "grad_norm=inf" and pt.step_count == 0 and pt.skipped == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_num_iterations_updates_each_batch_that_often_against_the_first_policy(
+        random_model_dir) -> None:
+    """GRPO's μ: μ optimiser updates per step, one step counted. With the trainer as the "old"
+    policy, the first update's ratio is exactly 1 and later ones compare with the policy
+    before the step's first update, so the ratio moves and the clip acts."""
+    from grpo_nb.tiny_model import load_hf
+
+    groups = [_group([3, 4, 5], [[6, 7, 1], [8, 9, 1]], [1.0, 0.0]),
+              _group([3, 4], [[6, 1], [9, 1]], [0.0, 1.0])]
+    rows = {}
+    for mu in (1, 3):
+        model, tok = load_hf(random_model_dir)
+        cfg = LLMConfig(prompts_per_step=2, group_size=2, grad_accum=2, lr=5e-2,
+                        ratio_against="trainer", tis_cap=2.0, num_iterations=mu)
+        pt = PolicyTrainer(model, tok, cfg)
+        rows[mu] = pt.step(groups)
+        assert pt.step_count == 1 and rows[mu]["updates"] == mu
+        assert {int(st["step"]) for st in pt.opt.state.values()} == {mu}
+    assert rows[1]["ratio_mean"] == 1.0 and rows[1]["clip_frac"] == 0.0
+    assert rows[3]["ratio_mean"] != pytest.approx(1.0, abs=1e-3) and rows[3]["clip_frac"] > 0
+
+
+def test_a_non_finite_later_update_keeps_the_updates_made(random_model_dir,
+                                                          monkeypatch) -> None:
+    from grpo_nb.tiny_model import load_hf
+
+    model, tok = load_hf(random_model_dir)
+    pt = PolicyTrainer(model, tok, LLMConfig(prompts_per_step=1, group_size=2, lr=1e-2,
+                                             num_iterations=3))
+    before = _params(model)
+    real, calls = pt._update, []
+
+    def second_fails(*args):
+        calls.append(1)
+        return ("loss=nan", {}, math.nan) if len(calls) == 2 else real(*args)
+
+    monkeypatch.setattr(pt, "_update", second_fails)
+    row = pt.step([_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])])
+    assert len(calls) == 2 and row["updates"] == 1 and "skipped" not in row
+    assert pt.step_count == 1 and pt.skipped == 0
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("loss_agg", ["seq-mean-token-sum-norm", "seq-mean-token-mean",

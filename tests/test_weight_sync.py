@@ -179,6 +179,11 @@ def test_a_sync_without_pause_pauses_at_once_when_it_fails_and_resumes_after_a_r
         salted = WeightSyncer(stub.url, syncer.model, syncer.cfg, salted=True)
         salted.sync(5)
         assert stub.calls == ["/collective_rpc", "/update_weight_version"]
+        # A server that cannot be paused either: the error must not claim it is.
+        stub.fail.update({"/collective_rpc", "/pause"})
+        with pytest.raises(WeightSyncError, match="could not be paused") as raised:
+            salted.sync(6)
+        assert "PAUSED" not in str(raised.value) and salted.dirty is not None
         salted.close()
     finally:
         stub.close()

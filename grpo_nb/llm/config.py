@@ -41,6 +41,9 @@ class LLMConfig:
             then ends the run with an error naming it, instead of hanging it.
     Batch and objective
         prompts_per_step × group_size samples per step; ``grad_accum`` micro-batches.
+        num_iterations: optimiser updates on each step's batch (GRPO's μ; TRL's name). From
+            the second on, the trainer has moved since sampling, so the ratio leaves 1 and the
+            clip bounds each update; the trainer does num_iterations × the work per step.
         lr, weight_decay, max_grad_norm: AdamW and gradient clipping.
         clip_low / clip_high / loss_agg / kl_coef / tis_cap: see :func:`grpo.policy_loss`.
         ratio_against: ``sampler`` uses vLLM's log-probs as the "old" policy (the ratio then
@@ -82,6 +85,7 @@ class LLMConfig:
     prompts_per_step: int = 16
     group_size: int = 8
     grad_accum: int = 1
+    num_iterations: int = 1
     lr: float = 3e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -130,7 +134,8 @@ class LLMConfig:
             raise ValueError(f"LLMConfig.max_staleness={self.max_staleness}: must be >= 0")
         if self.max_ahead < 0:
             raise ValueError(f"LLMConfig.max_ahead={self.max_ahead}: must be >= 0")
-        for name in ("steps", "generators", "prompts_per_step", "grad_accum", "sync_every",
+        for name in ("steps", "generators", "prompts_per_step", "grad_accum", "num_iterations",
+                     "sync_every",
                      "verify_every",
                      "max_tokens", "eval_every", "eval_size", "trainer_threads",
                      "checkpoint_every"):

@@ -23,10 +23,10 @@ Only ``step``, ``sync``, ``eval`` and ``skipped`` rows are read, so a recorded r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, median
 from typing import Any
 
 Row = Mapping[str, Any]
@@ -71,6 +71,20 @@ class Prediction:
     model_speedup: float
 
 
+def _steady(rows: Iterable[Row], checkpoint_every: int | None
+            ) -> Iterator[tuple[Row, Row, list[Row]]]:
+    """Each steady step as (previous step row, its step row, the rows between them)."""
+    rows = sorted((r for r in rows if r["kind"] in _KINDS), key=lambda r: r["t"])
+    steps = [r for r in rows if r["kind"] == "step"]
+    for prev, cur in zip(steps, steps[1:], strict=False):
+        inside = [r for r in rows if prev["t"] < r["t"] <= cur["t"]]
+        if any(r["kind"] in ("eval", "skipped") for r in inside):
+            continue
+        if checkpoint_every and prev["step"] % checkpoint_every == 0:
+            continue
+        yield prev, cur, inside
+
+
 def steady_intervals(rows: Iterable[Row], checkpoint_every: int | None = None
                      ) -> list[dict[str, float]]:
     """One dict per steady step: ``step``, ``train``, ``sync``, ``generate`` (seconds).
@@ -79,15 +93,8 @@ def steady_intervals(rows: Iterable[Row], checkpoint_every: int | None = None
     it, nothing to overlap yet) and any interval holding an eval, a skipped step or a
     checkpoint (after step k−1 when ``checkpoint_every`` divides k−1): none of them is part of
     the step being modelled."""
-    rows = sorted((r for r in rows if r["kind"] in _KINDS), key=lambda r: r["t"])
-    steps = [r for r in rows if r["kind"] == "step"]
     out: list[dict[str, float]] = []
-    for prev, cur in zip(steps, steps[1:], strict=False):
-        inside = [r for r in rows if prev["t"] < r["t"] <= cur["t"]]
-        if any(r["kind"] in ("eval", "skipped") for r in inside):
-            continue
-        if checkpoint_every and prev["step"] % checkpoint_every == 0:
-            continue
+    for prev, cur, inside in _steady(rows, checkpoint_every):
         syncs = [r for r in inside if r["kind"] == "sync"]
         server = sum(r.get("phases", {}).get(k, 0.0) for r in syncs for k in SERVER_PHASES)
         train = float(cur["train_s"])
@@ -95,6 +102,15 @@ def steady_intervals(rows: Iterable[Row], checkpoint_every: int | None = None
                     "sync": sum(r["ms"] for r in syncs) / 1000.0, "server_sync": server / 1000.0,
                     "generate": max(cur["age_s"]) - train})
     return out
+
+
+def steady_sync_phases(rows: Iterable[Row], checkpoint_every: int | None = None
+                       ) -> dict[str, float]:
+    """Median ms of each sync phase over the syncs inside :func:`steady_intervals`' steps."""
+    syncs = [r["phases"] for _, _, inside in _steady(rows, checkpoint_every)
+             for r in inside if r["kind"] == "sync" and r.get("phases")]
+    names = sorted({k for ph in syncs for k in ph})
+    return {k: median(ph.get(k, 0.0) for ph in syncs) for k in names}
 
 
 def step_phases(rows: Iterable[Row], checkpoint_every: int | None = None) -> StepPhases:

@@ -5,9 +5,9 @@ The ring's Trainer actor owns one :class:`PolicyTrainer` and calls it from a wor
 
     Group × prompts_per_step ──► make_batch ──► input_ids [B, P+T], mask, old/sampler
                                                   logprobs, advantages   (pad_sequence)
-          ──► step(): for each of grad_accum micro-batches:
+          ──► step(): num_iterations times (GRPO's μ): for each of grad_accum micro-batches:
                   logits ─► grpo.token_logprobs ─► grpo.policy_loss ─► backward (scaled)
-              clip_grad_norm_ ─► AdamW.step ─► metrics
+              clip_grad_norm_ ─► AdamW.step ─► metrics (of the last update)
     load_policy(dir, device, dtype) ─► model (gradient checkpointing on GPU) + tokenizer
     (held-out accuracy is sampled through the server: grpo_nb.llm.evaluate)
     save(dir) / load(dir) ─► model (safetensors) + optimizer + step + version
@@ -121,43 +121,31 @@ class PolicyTrainer:
         return next(self.model.parameters()).device
 
     def step(self, groups: list[Group]) -> dict[str, Any]:
-        """One optimiser step on ``groups`` (split into ``grad_accum`` micro-batches).
+        """``num_iterations`` optimiser updates on ``groups`` (each split into ``grad_accum``
+        micro-batches); the metrics are the last update's.
 
-        A non-finite loss or gradient norm skips the step: no optimiser update (the weights,
-        hence what a sync would push, stay as they were), ``step_count`` unchanged, and the row
-        says ``skipped`` with the reason; :attr:`skipped` counts them.
+        A non-finite loss or gradient norm skips that update (no optimiser step) and ends the
+        step's updates. If it was the first, the step is not taken: the weights, hence what a
+        sync would push, stay as they were, ``step_count`` is unchanged, the row says
+        ``skipped`` with the reason and :attr:`skipped` counts it. Otherwise the step stands
+        with the updates made (the row's ``updates``).
         """
         cfg = self.cfg
         per_micro = max(1, len(groups) // cfg.grad_accum)
         micro = [groups[i:i + per_micro] for i in range(0, len(groups), per_micro)]
         batches = [make_batch(m, self.tokenizer.pad_token_id) for m in micro]
-        total_tokens = sum(float(b.loss_mask.sum()) for b in batches)
-        total_rows = sum(len(b.advantages) for b in batches)
-        self.opt.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        bad: str | None = None
-        for b in batches:
-            loss, metrics = self._micro_loss(b)
-            # The batch's loss = Σ micro weight_i · loss_i: token-mean weighs by tokens, the
-            # per-sequence modes by rows (micro-batches may differ in size).
-            weight = (float(b.loss_mask.sum()) / max(total_tokens, 1.0)
-                      if cfg.loss_agg == "token-mean" else len(b.advantages) / total_rows)
-            if not torch.isfinite(loss):
-                bad = f"loss={float(loss.detach())}"
-                break
-            (loss * weight).backward()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + weight * v
-        grad_norm = (math.nan if bad else
-                     float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                          cfg.max_grad_norm)))
-        if bad is None and not math.isfinite(grad_norm):
-            bad = f"grad_norm={grad_norm}"
-        if bad is not None:
-            self.opt.zero_grad(set_to_none=True)
-            self.skipped += 1
-            return {"step": self.step_count, "skipped": bad, "skipped_steps": self.skipped}
-        self.opt.step()
+        # ratio_against="trainer": the "old" policy is the trainer before this step's first
+        # update, kept for the later ones (else their ratio would be 1 again).
+        olds: list[torch.Tensor | None] = [None] * len(batches)
+        done, sums, grad_norm = 0, {}, math.nan
+        for _ in range(cfg.num_iterations):
+            bad, update_sums, update_norm = self._update(batches, olds)
+            if bad is not None and done == 0:
+                self.skipped += 1
+                return {"step": self.step_count, "skipped": bad, "skipped_steps": self.skipped}
+            if bad is not None:
+                break  # the updates made stand: the row's "updates" says how many
+            done, sums, grad_norm = done + 1, update_sums, update_norm
         self.step_count += 1
         rewards = torch.tensor([r for g in groups for r in g.rewards])
         lengths = [len(r.completion_ids) for g in groups for r in g.rollouts]
@@ -166,13 +154,43 @@ class PolicyTrainer:
             "clip_frac": sums.get("clip_frac_low", 0.0) + sums.get("clip_frac_high", 0.0),
             "ratio_mean": sums.get("ratio_mean", 1.0),
             "tis_weight_mean": sums.get("tis_weight_mean", 1.0), "grad_norm": grad_norm,
+            "updates": done,
             "reward": float(rewards.mean()), "tokens": int(sum(lengths)),
             "response_len": sum(lengths) / max(len(lengths), 1),
             "zero_std_groups": grpo.zero_std_groups(rewards, cfg.group_size),
             "skipped_steps": self.skipped,
         }
 
-    def _micro_loss(self, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _update(self, batches: list[Batch], olds: list[torch.Tensor | None]
+                ) -> tuple[str | None, dict[str, float], float]:
+        """One optimiser update over every micro-batch: (why it was skipped, metrics, norm)."""
+        cfg = self.cfg
+        total_tokens = sum(float(b.loss_mask.sum()) for b in batches)
+        total_rows = sum(len(b.advantages) for b in batches)
+        self.opt.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for i, b in enumerate(batches):
+            loss, metrics = self._micro_loss(b, olds, i)
+            # The batch's loss = Σ micro weight_i · loss_i: token-mean weighs by tokens, the
+            # per-sequence modes by rows (micro-batches may differ in size).
+            weight = (float(b.loss_mask.sum()) / max(total_tokens, 1.0)
+                      if cfg.loss_agg == "token-mean" else len(b.advantages) / total_rows)
+            if not torch.isfinite(loss):
+                self.opt.zero_grad(set_to_none=True)
+                return f"loss={float(loss.detach())}", sums, math.nan
+            (loss * weight).backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + weight * v
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                         cfg.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self.opt.zero_grad(set_to_none=True)
+            return f"grad_norm={grad_norm}", sums, grad_norm
+        self.opt.step()
+        return None, sums, grad_norm
+
+    def _micro_loss(self, b: Batch, olds: list[torch.Tensor | None], i: int
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg, dev = self.cfg, self.device
         ids, attn, mask = b.input_ids.to(dev), b.attention_mask.to(dev), b.loss_mask.to(dev)
         logp = sequence_logprobs(self.model, ids, attn, cfg.temperature)
@@ -181,7 +199,9 @@ class PolicyTrainer:
         if cfg.ratio_against == "sampler":
             old = sampler
         else:
-            old = logp.detach()
+            if olds[i] is None:
+                olds[i] = logp.detach()
+            old = olds[i]
             if cfg.tis_cap is not None:
                 extra = {"sampler_logprobs": sampler, "tis_cap": cfg.tis_cap}
         ref = b.ref_logprobs.to(dev) if b.ref_logprobs is not None and cfg.kl_coef else None

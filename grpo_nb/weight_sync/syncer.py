@@ -285,6 +285,11 @@ class WeightSyncer:
         cause = err if isinstance(err, WeightSyncError) else f"{type(err).__name__}: {err}"
         if self.dirty is not None:
             where = "mid-transfer" if touched else "before its transfer"
+            if not self._held:  # "none" and its /pause?mode=abort failed too (server gone?)
+                return WeightSyncError(
+                    f"weight sync to version {version} failed {where} ({cause}), and the "
+                    f"server could not be paused: it may serve half-loaded weights "
+                    f"({self.dirty}) until the next sync re-sends every tensor")
             return WeightSyncError(
                 f"weight sync to version {version} failed {where} ({cause}); the server stays "
                 f"PAUSED because its weights are half-loaded ({self.dirty}): the next sync "
@@ -296,21 +301,19 @@ class WeightSyncer:
             f"weight sync to version {version} failed: {cause}")
 
     def _transfer(self, version: str, phases: _Phases) -> None:
+        """Send every tensor (as the transport does it), then name the version now served."""
         if self.cfg.transport == "reload":
-            self._reload(version, phases)
-            return
-        if self.cfg.transport != "gloo":
+            self._reload(phases)
+        elif self.cfg.transport == "gloo":
+            self.engine.send_weights()
+            report = self.engine.last
+            server = report.server
+            phases.update(transfer=report.send_ms, rpc=report.rpc_ms,
+                          start=server.get("start_ms", 0.0), wait=server.get("wait_ms", 0.0),
+                          load=server.get("load_ms", 0.0), finish=server.get("finish_ms", 0.0))
+        else:
             with phases("transfer"):
                 self.engine.send_weights()
-            with phases("version"):
-                self.client.set_weight_version(version)
-            return
-        self.engine.send_weights()
-        report = self.engine.last
-        server = report.server
-        phases.update(transfer=report.send_ms, rpc=report.rpc_ms,
-                      start=server.get("start_ms", 0.0), wait=server.get("wait_ms", 0.0),
-                      load=server.get("load_ms", 0.0), finish=server.get("finish_ms", 0.0))
         self._forget_old_prompts(phases)
         with phases("version"):
             self.client.set_weight_version(version)
@@ -321,7 +324,7 @@ class WeightSyncer:
             with phases("cache"):
                 self.client.reset_prefix_cache()
 
-    def _reload(self, version: str, phases: _Phases) -> None:
+    def _reload(self, phases: _Phases) -> None:
         if self._tmp is None:
             self._tmp = Path(tempfile.mkdtemp(prefix="grpo_nb_weights_"))
         # safetensors from the state dict: what vLLM's loader reads, without config files.
@@ -336,9 +339,6 @@ class WeightSyncer:
         with phases("load"):
             self.client.collective_rpc("reload_weights", {"weights_path": str(self._tmp)},
                                        timeout=self.cfg.timeout_s)
-        self._forget_old_prompts(phases)
-        with phases("version"):
-            self.client.set_weight_version(version)
 
     # ── verification ──
 
