@@ -108,9 +108,9 @@ def test_nan_loss_is_skipped_counted_and_the_run_goes_on(ring_server, tiny_model
 
     real, calls = PolicyTrainer._micro_loss, {"n": 0, "nan_from": 2, "nan_to": 2}
 
-    def poisoned(self, b):
+    def poisoned(self, b, *rest):
         calls["n"] += 1
-        loss, metrics = real(self, b)
+        loss, metrics = real(self, b, *rest)
         nan = calls["nan_from"] <= calls["n"] <= calls["nan_to"]
         return (loss * float("nan"), metrics) if nan else (loss, metrics)
 
