@@ -135,10 +135,8 @@ class LLMConfig:
         if self.max_ahead < 0:
             raise ValueError(f"LLMConfig.max_ahead={self.max_ahead}: must be >= 0")
         for name in ("steps", "generators", "prompts_per_step", "grad_accum", "num_iterations",
-                     "sync_every",
-                     "verify_every",
-                     "max_tokens", "eval_every", "eval_size", "trainer_threads",
-                     "checkpoint_every"):
+                     "sync_every", "verify_every", "max_tokens", "eval_every", "eval_size",
+                     "trainer_threads", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LLMConfig.{name}={getattr(self, name)}: must be >= 1")
         if self.prompts_per_step % self.grad_accum:

@@ -137,9 +137,17 @@ class PolicyTrainer:
         # ratio_against="trainer": the "old" policy is the trainer before this step's first
         # update, kept for the later ones (else their ratio would be 1 again).
         olds: list[torch.Tensor | None] = [None] * len(batches)
+        # The batch's loss = Σ micro weight_i · loss_i: token-mean weighs by tokens, the
+        # per-sequence modes by rows (micro-batches may differ in size).
+        if cfg.loss_agg == "token-mean":
+            sizes = [float(b.loss_mask.sum()) for b in batches]
+            weights = [n / max(sum(sizes), 1.0) for n in sizes]
+        else:
+            total_rows = sum(len(b.advantages) for b in batches)
+            weights = [len(b.advantages) / total_rows for b in batches]
         done, sums, grad_norm = 0, {}, math.nan
         for _ in range(cfg.num_iterations):
-            bad, update_sums, update_norm = self._update(batches, olds)
+            bad, update_sums, update_norm = self._update(batches, weights, olds)
             if bad is not None and done == 0:
                 self.skipped += 1
                 return {"step": self.step_count, "skipped": bad, "skipped_steps": self.skipped}
@@ -161,20 +169,13 @@ class PolicyTrainer:
             "skipped_steps": self.skipped,
         }
 
-    def _update(self, batches: list[Batch], olds: list[torch.Tensor | None]
-                ) -> tuple[str | None, dict[str, float], float]:
+    def _update(self, batches: list[Batch], weights: list[float],
+                olds: list[torch.Tensor | None]) -> tuple[str | None, dict[str, float], float]:
         """One optimiser update over every micro-batch: (why it was skipped, metrics, norm)."""
-        cfg = self.cfg
-        total_tokens = sum(float(b.loss_mask.sum()) for b in batches)
-        total_rows = sum(len(b.advantages) for b in batches)
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for i, b in enumerate(batches):
+        for i, (b, weight) in enumerate(zip(batches, weights, strict=True)):
             loss, metrics = self._micro_loss(b, olds, i)
-            # The batch's loss = Σ micro weight_i · loss_i: token-mean weighs by tokens, the
-            # per-sequence modes by rows (micro-batches may differ in size).
-            weight = (float(b.loss_mask.sum()) / max(total_tokens, 1.0)
-                      if cfg.loss_agg == "token-mean" else len(b.advantages) / total_rows)
             if not torch.isfinite(loss):
                 self.opt.zero_grad(set_to_none=True)
                 return f"loss={float(loss.detach())}", sums, math.nan
@@ -182,7 +183,7 @@ class PolicyTrainer:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + weight * v
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                         cfg.max_grad_norm))
+                                                         self.cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.opt.zero_grad(set_to_none=True)
             return f"grad_norm={grad_norm}", sums, grad_norm
