@@ -9,7 +9,9 @@
 "Progress" is the tree's CPU time (more than ``--min-cpu`` core-seconds per window) or new
 output: a kernel waiting for a server that is compiling is progress (the server burns CPU),
 a kernel frozen in a socket wait or a lost ZMQ message is not. Each run prints one JSON line;
-``--until-hang`` stops at the first stall. Processes are ended by pid (the kernels run in
+``--until-hang`` stops at the first stall. ``--cold-cache`` empties vLLM's compile cache
+(``<repo>/.cache/vllm``) and gives torch's inductor a fresh one before each run, so the
+notebooks' servers compile side by side as on a fresh clone. Processes are ended by pid (the kernels run in
 their own sessions, so a process-group kill would miss them).
 """
 
@@ -19,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -92,12 +95,15 @@ def kill_tree(procs: list[psutil.Process]) -> None:
 
 def run_once(args: argparse.Namespace, index: int) -> dict:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    log = ROOT / "runs" / "hang" / f"{stamp}-run{index}.log"
+    log = Path(args.out) / f"{stamp}-run{index}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake",
            f"--nbmake-timeout={args.timeout}", "-n", str(args.workers), "--dist", "loadfile",
            *args.notebooks]
     env = {**os.environ, "GRPO_NB_SMOKE": "1"}
+    if args.cold_cache:
+        shutil.rmtree(ROOT / ".cache" / "vllm", ignore_errors=True)
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(log.with_suffix(".inductor"))
     t0 = time.time()
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
@@ -135,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=600, help="nbmake's per-cell timeout")
     parser.add_argument("--until-hang", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "hang"),
+                        help="where each run's log and a stalled run's stacks go")
+    parser.add_argument("--cold-cache", action="store_true",
+                        help="empty the compile caches before each run")
     args = parser.parse_args(argv)
     failures = 0
     for i in range(args.runs):
