@@ -267,3 +267,42 @@ class _Null:
 
     def send(self, _event: Any) -> None:
         pass
+
+
+# ── the hang of 2026-11-29: a group taken off the inlet, then lost to a cancelled receive ──
+
+
+def test_a_group_that_arrives_as_a_stop_comes_is_kept_not_lost():
+    """Reproduced on the old trainer (``asyncio.wait_for(inbox.recv(), timeout=0.5)`` as a
+    stop-polling tick): when the tick's timeout fired in the same loop pass as a group landed,
+    the receive had already taken the group off the queue and the cancel threw it away. In sync
+    mode exactly one step's groups are issued, so the trainer then waited for ever. Today's
+    trainer never cancels a receive under way: it keeps it (``next_msg``) for the finish."""
+    from grpo_nb.llm.learner import Trainer
+
+    async def main() -> None:
+        t = _llm_trainer([])
+        t.stopping, t.deadline = asyncio.Event(), None
+        got: list[Any] = []
+        for i in range(24):  # the stop lands a few loop passes before, with, or after the group
+            waiting = asyncio.ensure_future(Trainer._receive_unless_stopping(t))
+            for _ in range(i % 3):
+                await asyncio.sleep(0)
+            events = [t.stopping.set, lambda i=i: t.port.send(f"group{i}")]
+            if i % 2:
+                events.reverse()
+            events[0]()
+            for _ in range(i // 6):
+                await asyncio.sleep(0)
+            events[1]()
+            msg = await waiting
+            if msg is None and t.next_msg is not None:  # the stop won a receive under way:
+                msg, t.next_msg = await t.next_msg, None  # it must still bring the group
+            elif msg is None:  # the stop came before any receive: the group is still queued
+                assert t.inbox.qsize() == 1, f"group{i} was lost with its receive"
+                msg = await t.inbox.recv()
+            got.append(msg)
+            t.stopping.clear()
+        assert got == [f"group{i}" for i in range(24)] and t.inbox.qsize() == 0
+
+    asyncio.run(main())
