@@ -78,8 +78,8 @@ nbtest: setup
 # Hunt the notebook hang: run the suite RUNS times under a watchdog that, when nothing makes
 # progress for STALL_S seconds, saves every Python stack (py-spy) to runs/hang/ and kills it.
 RUNS ?= 10
-# NBWATCH_FLAGS=--cold-cache empties the compile caches before each run (a fresh clone's case).
 STALL_S ?= 180
+# NBWATCH_FLAGS=--cold-cache empties the compile caches before each run (a fresh clone's case).
 NBWATCH_FLAGS ?=
 nbwatch: setup
 	$(BIN)/python scripts/nb_hang_watch.py --runs $(RUNS) --stall-s $(STALL_S) --workers $(NB_WORKERS) $(NBWATCH_FLAGS) notebooks/*.ipynb

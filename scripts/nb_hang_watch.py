@@ -9,10 +9,10 @@
 "Progress" is the tree's CPU time (more than ``--min-cpu`` core-seconds per window) or new
 output: a kernel waiting for a server that is compiling is progress (the server burns CPU),
 a kernel frozen in a socket wait or a lost ZMQ message is not. Each run prints one JSON line;
-``--until-hang`` stops at the first stall. ``--cold-cache`` empties vLLM's compile cache
-(``<repo>/.cache/vllm``) and gives torch's inductor a fresh one before each run, so the
-notebooks' servers compile side by side as on a fresh clone. Processes are ended by pid (the kernels run in
-their own sessions, so a process-group kill would miss them).
+``--until-hang`` stops at the first stall. ``--cold-cache`` empties vLLM's compile cache (the
+servers' ``cache_dir() / "vllm"``) and gives torch's inductor a fresh one before each run, so
+the notebooks' servers compile side by side as on a fresh clone. Processes are ended by pid
+(the kernels run in their own sessions, so a process-group kill would miss them).
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ def run_once(args: argparse.Namespace, index: int) -> dict:
            *args.notebooks]
     env = {**os.environ, "GRPO_NB_SMOKE": "1"}
     if args.cold_cache:
-        shutil.rmtree(ROOT / ".cache" / "vllm", ignore_errors=True)
+        from grpo_nb.config import cache_dir  # where the servers keep it (GRPO_NB_CACHE too)
+
+        shutil.rmtree(cache_dir() / "vllm", ignore_errors=True)
         env["TORCHINDUCTOR_CACHE_DIR"] = str(log.with_suffix(".inductor"))
     t0 = time.time()
     with log.open("wb") as fh:
