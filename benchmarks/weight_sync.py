@@ -157,7 +157,8 @@ def _measure(url: str, model: torch.nn.Module, transport: str, repeats: int,
     with WeightSyncer(url, model, wcfg) as syncer:
         syncer.sync(0)  # warm-up (first load_weights, first buffer, first file write)
         results = [syncer.sync(v) for v in range(1, repeats + 1)]
-        assert syncer.verify(repeats), "served weights differ after sync"
+        # a last sync, verified: the worker digests what it receives only when asked
+        assert syncer.sync(repeats + 1, verify=True).verified, "served weights differ"
     med = statistics.median(r.ms for r in results)
     phases = {name: round(statistics.median(r.phases.get(name, 0.0) for r in results), 1)
               for name in results[0].phases}

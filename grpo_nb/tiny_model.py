@@ -334,6 +334,12 @@ def build_or_load(cfg: TinyModelConfig | None = None, *, progress: bool = True,
     return final
 
 
+def is_tiny_model(model: Path | str | None) -> bool:
+    """Whether ``model`` is this module's tiny character model: ``None`` (built or loaded
+    from the cache on demand) or a folder :func:`build_or_load` wrote."""
+    return model is None or (Path(model).expanduser() / "grpo_nb_meta.json").is_file()
+
+
 def load_meta(model_dir: Path | str) -> dict[str, Any]:
     """The build summary saved next to a tiny model (accuracy, steps, time, config)."""
     return json.loads((Path(model_dir) / "grpo_nb_meta.json").read_text())

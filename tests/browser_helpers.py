@@ -87,10 +87,11 @@ def fixture_notebook(steps: int = 5, fail: bool = False) -> nbformat.NotebookNod
 RAW_TEX = re.compile(r"\$\$|\\\(|\\\[|\$\\[a-z]+|\\frac|\\sqrt")
 
 
-def offline_typeset(html_path: Path) -> dict[str, Any]:
+def offline_typeset(html_path: Path, wait_s: float = 15.0) -> dict[str, Any]:
     """Open a handout page in Debian's headless Chromium with the network cut off; report what
-    MathJax typeset, and any TeX left raw in the prose (markdown) cells. Every request that is
-    not a local file is aborted and listed."""
+    MathJax typeset (waiting up to ``wait_s`` after the page's load for MathJax to appear), and
+    any TeX left raw in the prose (markdown) cells. Every request that is not a local file is
+    aborted and listed."""
     from playwright.sync_api import sync_playwright
 
     from grpo_nb.course.handouts_render import CHROMIUM_ARGS, chromium_executable
@@ -116,15 +117,16 @@ def offline_typeset(html_path: Path) -> dict[str, Any]:
         page = ctx.new_page()
         page.goto(html_path.resolve().as_uri(), wait_until="load", timeout=60_000)
         loaded = page.evaluate(
-            """() => new Promise(done => {
+            """waitMs => new Promise(done => {
                    const t0 = Date.now();
                    (function poll() {
                        if (window.MathJax && window.MathJax.Hub) {
                            window.MathJax.Hub.Queue(() => done(true));
-                       } else if (Date.now() - t0 > 15000) { done(false); }
+                       } else if (Date.now() - t0 > waitMs) { done(false); }
                        else { setTimeout(poll, 100); }
                    })();
-               })"""
+               })""",
+            wait_s * 1000,
         )
         typeset = page.locator(".MathJax_CHTML, mjx-container").count()
         errors = page.locator(".MathJax_Error, merror, .mjx-merror").count()

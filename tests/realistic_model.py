@@ -7,7 +7,8 @@ code that loads it: ``Qwen3ForCausalLM`` (tied embeddings, as Qwen3-0.6B), a byt
 template, and ``<|im_end|>`` as end-of-sequence. The weights are random: it is for plumbing
 (tokenizer, template, vLLM, weight sync), not for accuracy. Layout::
 
-    OUT/model/        config.json, generation_config.json, model.safetensors, tokenizer files
+    OUT/model/        config.json, generation_config.json (Qwen3's sampling defaults:
+                      top_k 20, top_p 0.95, temperature 0.6), model.safetensors, tokenizer files
     OUT/gsm8k.jsonl   {"question": ..., "answer": "... <<3+4=7>>7 ...\\n#### 7"} per line
 """
 
@@ -29,6 +30,9 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# The sampling defaults Qwen3 folders ship in generation_config.json (Qwen3-0.6B's): vLLM
+# applies them to every field a request leaves unset unless told otherwise.
+QWEN3_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 NAMES = ("Tom", "Ana", "Liam", "Mei", "Sara", "Omar", "Nina", "Raj", "Zoe", "Ivan")
 ITEMS = ("apples", "books", "stickers", "marbles", "pencils", "cookies", "stamps", "shells")
 
@@ -118,7 +122,7 @@ def build_model(tokenizer: Any, *, hidden: int = 64, layers: int = 2, heads: int
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad],
-                                               pad_token_id=pad)
+                                               pad_token_id=pad, **QWEN3_SAMPLING)
     return model
 
 

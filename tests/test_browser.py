@@ -11,12 +11,15 @@ Checks per notebook: the live plot changes between two screenshots taken while i
 widgets render (no "Loading widget…" placeholder, no version-mismatch error, no text fallback),
 no cell holds an error output; in 03, dragging a slider redraws the plot. A fixture notebook
 with a deliberate error proves the checks can fail. The committed notebooks are never touched.
+``make nbtest`` leaves out the notebooks run here: this is where they execute, every cell.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -40,6 +43,8 @@ pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "build" / "browser"
+# notebook → whether its check drags a slider (else: its live plot must change while it runs)
+IN_BROWSER = {"02_toy_grpo_ring.ipynb": False, "03_grpo_objective.ipynb": True}
 
 
 @pytest.fixture(scope="module")
@@ -145,10 +150,7 @@ def test_fixture_checks_can_fail(lab: LabPage) -> None:
     assert _widget_failures([{**cells[0], "text": "interactive(children=(FloatSlider(v"}])
 
 
-@pytest.mark.parametrize(
-    ("notebook", "slider"),
-    [("02_toy_grpo_ring.ipynb", False), ("03_grpo_objective.ipynb", True)],
-)
+@pytest.mark.parametrize(("notebook", "slider"), list(IN_BROWSER.items()))
 def test_notebook_in_jupyterlab(lab: LabPage, notebook: str, slider: bool) -> None:
     if not (REPO / "notebooks" / notebook).exists():
         pytest.fail(f"notebooks/{notebook} does not exist yet")
@@ -166,3 +168,14 @@ def test_notebook_in_jupyterlab(lab: LabPage, notebook: str, slider: bool) -> No
         before, after = _drag_first_slider(lab, name)
         print(f"[browser] {name}: slider moved: {before.name}, {after.name}")
         assert _errors(lab.cells()) == [], f"{notebook}: moving the slider raised"
+
+
+def test_nbtest_runs_every_notebook_not_run_here() -> None:
+    """Every course notebook is executed once: here (in JupyterLab) or by ``make nbtest``."""
+    dry = subprocess.run(["make", "-s", "-n", "--no-print-directory", "nbtest"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    (line,) = [ln for ln in dry.splitlines() if "--nbmake" in ln]
+    nbmake = set(re.findall(r"notebooks/([^\s/]+\.ipynb)", line))
+    course = {p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    assert nbmake | set(IN_BROWSER) == course, f"executed by neither: {course - nbmake - set(IN_BROWSER)}"
+    assert not nbmake & set(IN_BROWSER), f"executed twice: {nbmake & set(IN_BROWSER)}"

@@ -157,13 +157,14 @@ def test_pages_typeset_formulas_offline(built: tuple[int, Path]) -> None:
 
 def test_offline_check_sees_raw_tex_without_local_mathjax(built: tuple[int, Path]) -> None:
     # The same page pointing at a CDN (nbconvert's default) shows TeX source offline: the check
-    # above would fail on it.
+    # above would fail on it. MathJax is a plain <script>: by the page's load it has run or
+    # failed, so a short wait does not make this pass where the long one would fail.
     _, out = built
     src = (out / "html" / "01_fixture.html").read_text()
     cdn = out / "html" / "cdn_copy.html"
     cdn.write_text(src.replace("mathjax/MathJax.js?", "https://cdn.invalid/MathJax.js?"))
     try:
-        seen = offline_typeset(cdn)
+        seen = offline_typeset(cdn, wait_s=2.0)
     finally:
         cdn.unlink()
     assert not seen["loaded"] and seen["typeset"] == 0

@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PY_SPY = Path(sys.executable).with_name("py-spy")
 
 
-@pytest.mark.skipif(not PY_SPY.exists(), reason="py-spy is not installed (the dev extra)")
 def test_a_frozen_kernel_is_caught_dumped_and_killed(tmp_path: Path) -> None:
+    if not PY_SPY.exists():
+        pytest.fail(f"no py-spy at {PY_SPY}: pip install -e '.[dev]'")
     nb = nbformat.v4.new_notebook()
     # a kernel that waits without using CPU, as one stuck on a dead peer's socket would
     nb.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(90)")]

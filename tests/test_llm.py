@@ -38,7 +38,8 @@ from grpo_nb.serving.rollouts import Group, Rollout
     ({"lr": 0.0}, "lr"),
     # off-policy: combinations that could never admit a group, or that would do nothing
     ({"sync_every": 4, "max_staleness": 2}, "sync_every=4 > max_staleness"),
-    ({"tis_cap": 2.0}, "tis_cap=2.0 with ratio_against='sampler' does nothing"),
+    ({"tis_cap": 2.0, "ratio_against": "sampler"},
+     "tis_cap=2.0 with ratio_against='sampler' does nothing"),
     ({"ratio_against": "trainer"}, "ratio_against='trainer' needs tis_cap"),
     ({"ratio_against": "trainer", "tis_cap": 0.0}, "tis_cap"),
     ({"clip_low": 1.0}, "clip_low"),

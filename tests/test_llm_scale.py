@@ -4,7 +4,7 @@ The model and data here are ones the project did not create in this process: a s
 (``python tests/realistic_model.py OUT``) writes a Qwen3 + byte-level BPE + chat-template
 model and a GSM8K-format JSONL into a temporary folder, and the ring only ever sees the paths.
 Server starts: two by the CLI test (the SIGKILLed run's, the resumed run's), one by the
-Monarch test.
+Monarch test, one by the tied-embeddings sync test.
 """
 
 from __future__ import annotations
@@ -155,6 +155,114 @@ def test_tiny_model_prompts_stay_plain_text(tiny_model_dir) -> None:
     assert data.prompt_example.endswith("=") and len(data.train[0].ids) == 8
 
 
+# ── defaults by model family (no server) ──
+
+# Qwen3's generation prompt: an empty thinking block when enable_thinking is false.
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def test_lr_defaults_to_the_model_family_unless_set(realistic, tiny_model_dir) -> None:
+    from grpo_nb.llm.config import PRETRAINED_LR, TINY_LR
+
+    assert LLMConfig().lr == LLMConfig(model=str(tiny_model_dir)).lr == TINY_LR == 3e-4
+    real = LLMConfig(model=realistic.model, dataset=realistic.data)
+    assert real.lr == LLMConfig(model="Qwen/Qwen3-0.6B").lr == PRETRAINED_LR == 1e-6
+    assert real.defaults["lr"].startswith("1e-06 (a pretrained model")
+    assert LLMConfig().replace(model=realistic.model).lr == PRETRAINED_LR  # follows the model
+    assert real.replace(model=None).lr == TINY_LR
+    chosen = LLMConfig(model=realistic.model, lr=1e-5)
+    assert chosen.lr == 1e-5 and "lr" not in chosen.defaults
+    assert chosen.replace(model=None).lr == 1e-5  # a chosen value stays chosen
+    resumed = LLMConfig(**real.to_dict())  # config.json of a run: the values, as chosen
+    assert resumed == real and resumed.defaults == {}
+
+
+def test_ratio_against_the_trainer_when_the_two_sides_differ_in_precision(monkeypatch) -> None:
+    """bf16 trainer (autocast) and bf16 vLLM round differently: fresh samples have a ratio
+    ≠ 1 from rounding alone, so the "old" policy is the trainer's own, with a TIS cap."""
+    monkeypatch.setattr(placement, "cuda_available", lambda: False)
+    fp32 = LLMConfig()
+    assert (fp32.ratio_against, fp32.tis_cap) == ("sampler", None)
+    bf16 = LLMConfig(dtype="bfloat16")
+    assert (bf16.ratio_against, bf16.tis_cap) == ("trainer", 2.0)
+    assert bf16.defaults["ratio_against"].startswith("trainer (bfloat16")
+    assert (bf16.replace(dtype="float32").ratio_against, bf16.replace(dtype="float32").tis_cap
+            ) == ("sampler", None)
+    assert LLMConfig(dtype="bfloat16", tis_cap=3.0).tis_cap == 3.0
+    assert LLMConfig(tis_cap=3.0).ratio_against == "trainer"  # a cap asks for the trainer
+    kept = LLMConfig(dtype="bfloat16", ratio_against="sampler")
+    assert (kept.ratio_against, kept.tis_cap) == ("sampler", None)
+    monkeypatch.setattr(placement, "cuda_available", lambda: True)  # auto: CUDA → bf16
+    monkeypatch.setattr(placement, "gpu_count", lambda: 1)
+    gpu = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k")
+    assert (gpu.lr, gpu.ratio_against, gpu.tis_cap, gpu.max_tokens) == (1e-6, "trainer", 2.0,
+                                                                         256)
+    assert set(gpu.defaults) == {"lr", "ratio_against", "tis_cap", "max_tokens"}
+
+
+def test_thinking_is_off_when_the_chat_template_knows_enable_thinking(realistic) -> None:
+    from transformers import AutoTokenizer
+
+    from grpo_nb.llm.summary import summarize
+    from grpo_nb.metrics import MetricsRecorder
+    from grpo_nb.tasks import prompt_text, template_defaults
+
+    tok = AutoTokenizer.from_pretrained(realistic.model)
+    row = {"prompt": "2+2?", "messages": [{"role": "user", "content": "2+2?"}]}
+    assert template_defaults(tok) == {}  # a template without thinking gets nothing extra
+    assert prompt_text(tok, row).endswith("<|im_start|>assistant\n")
+    tok.chat_template = THINKING_TEMPLATE
+    assert template_defaults(tok) == {"enable_thinking": False}
+    assert prompt_text(tok, row).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    on = {"enable_thinking": True}
+    assert prompt_text(tok, row, chat_template_kwargs=on).endswith("<|im_start|>assistant\n")
+    cfg = LLMConfig(model=realistic.model, dataset=realistic.data, test_size=20)
+    data = load_data(tok, cfg, smoke=True)
+    assert data.template_kwargs == {"enable_thinking": False}
+    assert data.prompt_example.endswith("<think>\n\n</think>\n\n")
+    # the summary states every default the run took, the template's included
+    rec = MetricsRecorder()
+    rec.log("data", chat_template_kwargs=data.template_kwargs)
+    for frac in (0.9, 0.7):
+        rec.log("step", step=1, step_changed_frac=frac)
+    result = summarize(rec, cfg, 1.0, 0)
+    assert result.step_changed_frac == pytest.approx(0.8)
+    assert set(result.defaults) == {"lr", "ratio_against", "max_tokens", "chat_template_kwargs"}
+    assert "'enable_thinking': False" in result.defaults["chat_template_kwargs"]
+    chosen = summarize(rec, cfg.replace(chat_template_kwargs=on), 1.0, 0)
+    assert "chat_template_kwargs" not in chosen.defaults
+
+
+def test_rollouts_cli_server_context_holds_the_prompt_and_max_tokens(realistic) -> None:
+    """``rollouts --smoke --model DIR --dataset FILE`` sized its server's context (256) and
+    its requests' max_tokens (512) in two places: every request got HTTP 400. Both come from
+    one LLMConfig now, as in training."""
+    from transformers import AutoTokenizer
+
+    from grpo_nb.serving import cli as rollouts_cli
+    from grpo_nb.tasks import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(realistic.model)
+    base = ["--smoke", "--model", realistic.model, "--dataset", realistic.data]
+    for extra, max_tokens in (([], 256), (["--max-tokens", "512"], 512)):
+        cfg, rows = rollouts_cli.plan(rollouts_cli._parser().parse_args(base + extra))
+        kept = rollouts_cli.fitting(rows, tok, cfg.max_prompt_len)
+        scfg = rollouts_cli.server_config(cfg, smoke=True)
+        assert cfg.max_tokens == max_tokens and kept
+        assert scfg.max_model_len >= max(len(render_prompt(tok, r)) for r in kept) + max_tokens
+        assert scfg.max_model_len == cfg.context_len == placement.server_config(
+            realistic.model, cfg).max_model_len  # the same context as a training server
+    long = rollouts_cli.fitting(rows, tok, 5)
+    assert long == []  # prompts past max_prompt_len are left out, not sent
+
+
 class _FakeClient:
     """Answers a batch of prompts: echoes a scripted (text, finish_reason) per prompt."""
 
@@ -261,7 +369,9 @@ def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic
                  "stale_dropped", "weights_verified"):
         assert name in summary, name
     assert summary["weights_verified"] is True, summary
-    # sync mode trains on fresh samples: at T = 0.7 too, the PPO ratio is 1 (issue 12)
+    # sync mode trains on fresh samples: at T = 0.7 too, the PPO ratio is 1 (issue 12), and the
+    # folder's Qwen3 sampling defaults (top_k 20, top_p 0.95: realistic_model.QWEN3_SAMPLING)
+    # truncate nothing (issue 20; with them applied the ratio here was 0.08)
     assert abs(summary["ratio_mean"] - 1.0) < 0.02, summary
     assert summary["clip_frac_mean"] < 0.01 and summary["skipped_steps"] == 0, summary
     assert "<|im_start|>user\n" in summary["prompt_example"]
@@ -306,3 +416,94 @@ def test_gpu_check_dry_run_trains_on_monarch_with_the_trainer_in_its_own_process
     assert len(report["trainer_pids"]) == 1
     assert report["trainer_pids"] != [report["controller_pid"]]
     assert _no_server_left(report["model"]) == []
+
+
+def _requests_running(url: str) -> float:
+    import requests
+
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_syncs_land_on_a_tied_model_with_requests_in_flight(realistic, monkeypatch) -> None:
+    """Issue 20: the async ring's sync (gloo, no pause, sampling requests in flight), then the
+    reload transport, into a model with tied embeddings, as Qwen3-0.6B ships. No tensor
+    arrives under a tied ``lm_head``'s name, so vLLM's layerwise reload never re-processes
+    it, and on CPU that processing packed a copy of the weight for oneDNN: unless the worker
+    rebuilds the head (``gloo_engine.refresh_tied_heads``), the served logits stay on the
+    weights the server started with. Checked with the log-prob probe: every tensor does
+    reach the loader intact, so only the served outputs show it. One server start."""
+    import threading
+    from dataclasses import replace
+
+    import requests
+    import torch
+
+    from grpo_nb.llm.trainer import load_policy
+    from grpo_nb.serving.server import VLLMServer
+    from grpo_nb.weight_sync import WeightSyncer
+    from grpo_nb.weight_sync.client import policy_salt
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    cfg = LLMConfig(model=realistic.model, dataset=realistic.data, max_prompt_len=100,
+                    max_tokens=28)
+    sync_cfg = placement.sync_of(cfg)
+    assert (sync_cfg.transport, sync_cfg.pause_mode) == ("gloo", "none")  # the async ring's
+    model, _ = load_policy(realistic.model)
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # tied, as Qwen3-0.6B
+    gen = torch.Generator().manual_seed(0)
+
+    def perturb() -> None:  # every tensor, the tied one too, well beyond the probe's atol
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+
+    with VLLMServer(placement.server_config(realistic.model, cfg)) as server, \
+            WeightSyncer(server.url, model, sync_cfg, salted=True) as syncer:
+        syncer.sync(0, verify=False)
+        assert syncer.weight_gap() <= sync_cfg.atol
+        body = {"model": syncer.client.model_name(), "prompt": [5, 6, 7], "max_tokens": 120,
+                "temperature": 1.0, "n": 4, "ignore_eos": True, "cache_salt": policy_salt(0)}
+        perturb()
+        stale = syncer.weight_gap()  # the server still serves the old weights
+        stop, spans = threading.Event(), []  # (sent, answered, HTTP status) per request
+
+        def sample() -> None:  # requests back to back, as the ring's generators send them
+            while not stop.is_set():
+                sent = time.monotonic()
+                status = requests.post(f"{server.url}/v1/completions", json=body,
+                                       timeout=600).status_code
+                spans.append((sent, time.monotonic(), status))
+
+        samplers = [threading.Thread(target=sample) for _ in range(2)]
+        for thread in samplers:
+            thread.start()
+        try:
+            deadline = time.monotonic() + 120
+            while _requests_running(server.url) == 0:
+                assert all(t.is_alive() for t in samplers) and time.monotonic() < deadline
+                time.sleep(0.05)
+            began = time.monotonic()
+            syncer.sync(1, verify=False)
+            ended = time.monotonic()
+        finally:
+            stop.set()
+            for thread in samplers:
+                thread.join()
+        assert spans and all(status == 200 for *_, status in spans), spans
+        assert any(sent < began and answered > ended for sent, answered, _ in spans), (
+            "no request was generating across the update", began, ended, spans)
+        gap = syncer.weight_gap()
+        assert stale > 100 * sync_cfg.atol and gap <= sync_cfg.atol, (stale, gap)
+        print(f"gloo, in flight: probe gap {stale:.3g} before the sync, {gap:.2g} after")
+
+        with WeightSyncer(server.url, model, replace(sync_cfg, transport="reload"),
+                          salted=True) as reloader:
+            perturb()
+            reloader.sync(2, verify=False)
+            gap = reloader.weight_gap()
+            assert gap <= sync_cfg.atol, gap
+            print(f"reload: probe gap {gap:.2g} after the sync")

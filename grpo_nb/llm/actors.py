@@ -54,9 +54,12 @@ def share(total: int, rank: int, k: int) -> int:
 def sampling_request(cfg: LLMConfig, version: int) -> dict[str, Any]:
     """One group's request options: ``n = group_size`` samples (the server shares the
     prompt's prefill), salted with the policy version so that no prompt KV of other weights
-    is reused (:func:`grpo_nb.weight_sync.policy_salt`)."""
-    return {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "n": cfg.group_size,
-            "cache_salt": policy_salt(version)}
+    is reused (:func:`grpo_nb.weight_sync.policy_salt`). The trainer's log-probs are the full
+    softmax at ``cfg.temperature``, so nothing truncates the sampler's: ``top_p`` 1 here, and
+    the client sends every other sampling field at its neutral value
+    (:func:`grpo_nb.serving.client.sampling_fields`)."""
+    return {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": 1.0,
+            "n": cfg.group_size, "cache_salt": policy_salt(version)}
 
 
 class Generator(Source):

@@ -7,6 +7,11 @@ Everything that changes what the ring does lives here, so a run is described by 
 
 Bad values are rejected in ``__post_init__`` with a message naming the field, before any
 server is started.
+
+Defaults that depend on the model family are resolved there too, from fields left unset
+(``None`` / ``"auto"``); :attr:`LLMConfig.defaults` says which and why, and the run summary
+prints it (:func:`resolve_defaults`; the chat template's own default, thinking off, is
+resolved where prompts are rendered: :func:`grpo_nb.tasks.template_defaults`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,17 @@ from grpo_nb.grpo import LOSS_AGGS
 from grpo_nb.weight_sync import WeightSyncConfig
 
 Mode = Literal["async", "sync"]
+
+# Defaults by model family (resolve_defaults): the tiny character model learns its arithmetic
+# at 3e-4 (the README's full run: +34 points in 400 steps); a pretrained Qwen-size model is
+# RL-tuned at ~1e-6 (TRL's GRPO default), where 3e-4 would be hundreds of times too large.
+TINY_LR, PRETRAINED_LR = 3e-4, 1e-6
+# ratio_against="trainer" caps the trainer/sampler weight here when the two sides compute in
+# bfloat16 with different kernels (see resolve_defaults).
+MIXED_PRECISION_TIS_CAP = 2.0
+# What each defaulted field holds before it is resolved (LLMConfig.replace re-resolves them).
+UNSET: dict[str, Any] = {"max_tokens": None, "lr": None, "ratio_against": "auto",
+                         "tis_cap": None}
 
 
 @dataclass
@@ -44,10 +60,15 @@ class LLMConfig:
         num_iterations: optimiser updates on each step's batch (GRPO's μ; TRL's name). From
             the second on, the trainer has moved since sampling, so the ratio leaves 1 and the
             clip bounds each update; the trainer does num_iterations × the work per step.
-        lr, weight_decay, max_grad_norm: AdamW and gradient clipping.
+        lr, weight_decay, max_grad_norm: AdamW and gradient clipping (``lr=None``: 3e-4 for
+            the tiny character model, 1e-6 for any other, pretrained, model).
         clip_low / clip_high / loss_agg / kl_coef / tis_cap: see :func:`grpo.policy_loss`.
         ratio_against: ``sampler`` uses vLLM's log-probs as the "old" policy (the ratio then
-            measures how far the trainer has moved since sampling); ``trainer`` recomputes them.
+            measures how far the trainer has moved since sampling); ``trainer`` recomputes them
+            (and needs ``tis_cap``). ``auto``: ``trainer`` with ``tis_cap`` 2 (unless set) when
+            the run computes in bfloat16 — trainer (autocast) and server (vLLM's kernels) then
+            round differently, so fresh samples have a ratio ≠ 1 from rounding alone — else
+            ``sampler`` (float32 on both sides agrees to ~1e-6).
     Sampling and evaluation
         temperature, max_tokens (``None``: 8 for arithmetic, 256 for math text); eval_every
         steps, eval_size held-out problems, sampled greedily through the server.
@@ -56,14 +77,19 @@ class LLMConfig:
         dataset: ``"arithmetic[:…]"``, a hub name (``"openai/gsm8k"``) or a local
             .json/.jsonl/.parquet file or folder in GSM8K or ``messages`` format;
             test_size: held out when the data has no test split (rows or fraction).
-        system_prompt / chat_template_kwargs: the system turn, and extra template arguments
-            (``{"enable_thinking": False}`` for Qwen3); prompts use the model's chat template.
+        system_prompt / chat_template_kwargs: the system turn, and extra template arguments;
+            prompts use the model's chat template. Thinking is off
+            (``{"enable_thinking": False}``) when the template takes ``enable_thinking``
+            (Qwen3): its thinking block alone overruns ``max_tokens``, cutting every
+            completion before its answer. ``{"enable_thinking": True}`` turns it back on.
         reward: a spec (``"auto"``, ``"math+0.1*format"``, ``"module:function"``) or a
             callable ``(completion_text, answer) -> float``.
         max_prompt_len: longer prompts are left out (counted); the server's context length
-            is ``max_prompt_len + max_tokens``.
+            is ``max_prompt_len + max_tokens`` (:attr:`context_len`).
     Placement
         device / dtype: ``auto`` = CUDA + bfloat16 when CUDA is present, else CPU + float32.
+            The dtype is the server's and the trainer's compute dtype (bf16 autocast); the
+            trainer's own weights and AdamW state stay float32 (:mod:`grpo_nb.llm.trainer`).
         kv_cache_mb / gpu_memory_utilization: the server's KV cache (``None``: derived from
             the model, the context length and the number of sequences in flight).
         sync.transport: ``gloo`` (the default) means "by device" on CUDA: ``nccl`` when the
@@ -71,6 +97,9 @@ class LLMConfig:
         sync.pause_mode: ``none`` (the default: generation goes on during a sync, the update
             runs between two engine steps) means ``keep`` on CUDA, where vLLM may schedule
             the next step while one runs.
+
+    ``defaults`` (not a field): ``{field: "value (why)"}`` for the fields resolved from their
+    unset value (:func:`resolve_defaults`); the run summary prints it.
     """
 
     mode: Mode = "async"
@@ -86,7 +115,7 @@ class LLMConfig:
     group_size: int = 8
     grad_accum: int = 1
     num_iterations: int = 1
-    lr: float = 3e-4
+    lr: float | None = None  # resolved: TINY_LR / PRETRAINED_LR
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     clip_low: float = 0.2
@@ -94,7 +123,7 @@ class LLMConfig:
     loss_agg: str = "token-mean"
     kl_coef: float = 0.0
     tis_cap: float | None = None
-    ratio_against: Literal["sampler", "trainer"] = "sampler"
+    ratio_against: Literal["auto", "sampler", "trainer"] = "auto"
     dual_clip: float | None = None
     error_budget: int = 8
     finish_timeout_s: float = 120.0
@@ -143,7 +172,7 @@ class LLMConfig:
             raise ValueError(f"LLMConfig.prompts_per_step={self.prompts_per_step} is not "
                              f"divisible by grad_accum={self.grad_accum} (whole groups per "
                              "micro-batch)")
-        if self.lr <= 0:
+        if not self.lr > 0:  # also rejects NaN
             raise ValueError(f"LLMConfig.lr={self.lr}: must be > 0")
         if self.temperature <= 0:
             raise ValueError(f"LLMConfig.temperature={self.temperature}: must be > 0")
@@ -151,9 +180,9 @@ class LLMConfig:
             raise ValueError(f"LLMConfig.loss_agg={self.loss_agg!r}: use one of {LOSS_AGGS}")
         if self.kl_coef < 0:
             raise ValueError(f"LLMConfig.kl_coef={self.kl_coef}: must be >= 0")
-        if self.ratio_against not in ("sampler", "trainer"):
-            raise ValueError(f"LLMConfig.ratio_against={self.ratio_against!r}: use 'sampler' "
-                             "or 'trainer'")
+        if self.ratio_against not in ("sampler", "trainer"):  # "auto" is resolved by now
+            raise ValueError(f"LLMConfig.ratio_against={self.ratio_against!r}: use 'auto', "
+                             "'sampler' or 'trainer'")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"LLMConfig.time_budget_s={self.time_budget_s}: must be > 0")
         if not self.finish_timeout_s > 0:  # also rejects NaN
@@ -205,13 +234,12 @@ class LLMConfig:
             raise ValueError(f"LLMConfig.error_budget={self.error_budget}: must be >= 0")
 
     def _check_model_and_data(self) -> None:
-        """Model, data, reward and placement fields; fills in ``max_tokens`` when ``None``."""
+        """Model, data, reward and placement fields; then the defaults they decide."""
         from grpo_nb.llm import placement
 
         kind = placement.check_dataset(self.dataset)
-        if self.max_tokens is None:
-            self.max_tokens = default_max_tokens(self.dataset)
         placement.check_fields(self, "exact" if kind == "arithmetic" else "math")
+        self.defaults = resolve_defaults(self)
 
     @classmethod
     def smoke(cls) -> LLMConfig:
@@ -224,15 +252,20 @@ class LLMConfig:
         """Samples per optimiser step."""
         return self.prompts_per_step * self.group_size
 
+    @property
+    def context_len(self) -> int:
+        """The server's context length (``max_model_len``): the longest prompt kept plus
+        ``max_tokens``. Every server that samples for this config takes it from here."""
+        return self.max_prompt_len + self.max_tokens
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def replace(self, **changes: Any) -> LLMConfig:
-        """A validated copy with some fields changed."""
+        """A validated copy with some fields changed; defaulted fields not named in
+        ``changes`` are resolved again (a new model or dataset brings its own defaults)."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        if "dataset" in changes and "max_tokens" not in changes and self.max_tokens == (
-                default_max_tokens(self.dataset)):
-            data["max_tokens"] = None  # the old dataset's default follows the dataset
+        data.update({name: UNSET[name] for name in self.defaults})
         data.update(changes)
         return LLMConfig(**data)
 
@@ -242,3 +275,36 @@ def default_max_tokens(dataset: str) -> int:
     from grpo_nb.tasks import is_arithmetic_name
 
     return 8 if is_arithmetic_name(dataset) else 256
+
+
+def resolve_defaults(cfg: LLMConfig) -> dict[str, str]:
+    """Fill ``cfg``'s unset fields (:data:`UNSET`) for its model, data and precision;
+    returns ``{field: "value (why)"}`` for those it filled."""
+    from grpo_nb.llm.placement import dtype_of
+    from grpo_nb.tiny_model import is_tiny_model
+
+    why: dict[str, str] = {}
+    if cfg.max_tokens is None:
+        cfg.max_tokens = default_max_tokens(cfg.dataset)
+        why["max_tokens"] = f"{cfg.max_tokens} (for {cfg.dataset!r}: 8 for arithmetic, 256 " \
+                            "for math text)"
+    if cfg.lr is None:
+        tiny = is_tiny_model(cfg.model)
+        cfg.lr = TINY_LR if tiny else PRETRAINED_LR
+        why["lr"] = f"{cfg.lr:g} (" + ("the tiny character model" if tiny else
+                                       "a pretrained model: Qwen-scale RL fine-tuning") + ")"
+    if cfg.ratio_against == "auto":
+        bf16 = dtype_of(cfg) == "bfloat16"
+        cfg.ratio_against = "trainer" if bf16 or cfg.tis_cap is not None else "sampler"
+        if bf16:
+            reason = "bfloat16: trainer and server round differently, so the sampler's " \
+                     "log-probs are not the trainer's even for fresh samples"
+        elif cfg.tis_cap is not None:
+            reason = "tis_cap is set"
+        else:
+            reason = "float32 on both sides: the sampler's log-probs are the trainer's"
+        why["ratio_against"] = f"{cfg.ratio_against} ({reason})"
+        if cfg.ratio_against == "trainer" and cfg.tis_cap is None:
+            cfg.tis_cap = MIXED_PRECISION_TIS_CAP
+            why["tis_cap"] = f"{cfg.tis_cap:g} (with ratio_against='trainer')"
+    return why

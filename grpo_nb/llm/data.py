@@ -47,6 +47,7 @@ class TaskData:
     kind: str  # "arithmetic" or "math"
     prompt_example: str  # the first training prompt exactly as the model sees it
     filtered: int  # prompts (train + test) longer than max_prompt_len, left out
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # what the template got
 
 
 def _render(tokenizer: Any, rows: list[dict[str, Any]], limit: int,
@@ -78,4 +79,8 @@ def load_data(tokenizer: Any, cfg: Any, smoke: bool) -> TaskData:
     if not train:
         raise ValueError(f"LLMConfig.max_prompt_len={cfg.max_prompt_len}: every training prompt "
                          f"of {cfg.dataset!r} is longer; raise it")
-    return TaskData(train, test, task.kind, train[0].text, dropped_train + dropped_test)
+    from grpo_nb.tasks import has_chat_template, template_defaults
+
+    used = {**template_defaults(tokenizer), **(kwargs or {})} if has_chat_template(tokenizer) \
+        else {}
+    return TaskData(train, test, task.kind, train[0].text, dropped_train + dropped_test, used)

@@ -16,6 +16,7 @@ The checks raise ``ValueError`` naming the ``LLMConfig`` field, before any serve
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -126,10 +127,19 @@ def gpu_count() -> int:
 
 
 def trainer_device(cfg: Any) -> str:
-    """The trainer's torch device: with 2+ GPUs it takes the last one, the server GPU 0."""
+    """The trainer's torch device: with 2+ GPUs it takes the last one, the server the first
+    (:func:`server_gpu`)."""
     if device_of(cfg) == "cpu":
         return "cpu"
     return f"cuda:{gpu_count() - 1}" if gpu_count() >= 2 else "cuda:0"
+
+
+def server_gpu() -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of a server on a GPU of its own: the first GPU this
+    process sees (``trainer_device`` takes the last), i.e. the first entry of an inherited
+    mask (``"2,3"`` → ``"2"``: a scheduler's mask names physical GPUs), else ``"0"``."""
+    mask = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    return mask[0] if mask[0] else "0"
 
 
 def sync_of(cfg: Any) -> WeightSyncConfig:
@@ -157,7 +167,7 @@ def server_config(model_dir: str, cfg: Any) -> Any:
     """The :class:`~grpo_nb.serving.server.ServerConfig` this run needs (not started)."""
     from grpo_nb.serving.server import ServerConfig
 
-    context = cfg.max_prompt_len + cfg.max_tokens
+    context = cfg.context_len
     device, dtype = device_of(cfg), dtype_of(cfg)
     scfg = ServerConfig(model=str(model_dir), max_model_len=context, dtype=dtype)
     if device == "cpu":
@@ -172,7 +182,7 @@ def server_config(model_dir: str, cfg: Any) -> Any:
         own_gpu = gpu_count() >= 2
         scfg.gpu_memory_utilization = cfg.gpu_memory_utilization or (0.85 if own_gpu else 0.35)
         if own_gpu:  # the trainer takes the last GPU: keep the server off it
-            scfg.env = {**scfg.env, "CUDA_VISIBLE_DEVICES": "0"}
+            scfg.env = {**scfg.env, "CUDA_VISIBLE_DEVICES": server_gpu()}
         if cfg.kv_cache_mb is not None:
             scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
     for key, value in sync_of(cfg).server_settings().items():

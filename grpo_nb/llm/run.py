@@ -222,7 +222,8 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
     data = await asyncio.to_thread(_load_data, model, cfg, smoke)
     rec.log("data", train=len(data.train), test=len(data.test), filtered=data.filtered,
-            task=data.kind, prompt_example=data.prompt_example)
+            task=data.kind, prompt_example=data.prompt_example,
+            chat_template_kwargs=data.template_kwargs)
     own = server is None
     if own:
         server = server_for(model, cfg)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.metrics import MetricsRecorder
@@ -25,6 +25,12 @@ class RunResult:
     probabilities. Faults, each counted and survived: ``skipped_steps`` (non-finite loss or
     gradient), ``failed_requests`` (their groups resubmitted), ``aborted_groups`` (cut short by
     a sync with ``pause_mode="abort"``, resubmitted).
+
+    ``step_changed_frac``: the fraction of the trainer's (float32 master) parameter elements
+    each step's last optimiser update changed, averaged over steps — near 1 when training
+    moves the weights; a run whose updates round away (bf16 parameters at a small lr) shows
+    ≈ 0 here. ``defaults``: the settings chosen for this model family rather than by the
+    caller, each with why (:attr:`LLMConfig.defaults`, and the chat template's arguments).
     """
 
     steps: int
@@ -43,6 +49,8 @@ class RunResult:
     skipped_steps: int = 0
     failed_requests: int = 0
     aborted_groups: int = 0
+    step_changed_frac: float = math.nan
+    defaults: dict[str, str] = field(default_factory=dict)
 
 
 def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int) -> RunResult:
@@ -70,7 +78,23 @@ def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int)
         skipped_steps=len(rec.rows("skipped")),
         failed_requests=len(rec.rows("request_failed")),
         aborted_groups=len(rec.rows("aborted")),
+        step_changed_frac=_mean(r.get("step_changed_frac") for r in steps),
+        defaults=_defaults(rec, cfg),
     )
+
+
+def _defaults(rec: MetricsRecorder, cfg: LLMConfig) -> dict[str, str]:
+    """:attr:`LLMConfig.defaults`, plus the template arguments the prompts were rendered with
+    when the config left them to the template's defaults."""
+    out = dict(getattr(cfg, "defaults", {}))
+    data = rec.rows("data")
+    given = cfg.chat_template_kwargs or {}
+    chosen = {k: v for k, v in (data[0].get("chat_template_kwargs") or {}).items()
+              if k not in given} if data else {}
+    if chosen:
+        out["chat_template_kwargs"] = f"{chosen} (the model's chat template reads them: " \
+                                      "tasks.template_defaults)"
+    return out
 
 
 def _mean(values: Iterable[float | None]) -> float:

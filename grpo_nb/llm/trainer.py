@@ -6,11 +6,23 @@ The ring's Trainer actor owns one :class:`PolicyTrainer` and calls it from a wor
     Group × prompts_per_step ──► make_batch ──► input_ids [B, P+T], mask, old/sampler
                                                   logprobs, advantages   (pad_sequence)
           ──► step(): num_iterations times (GRPO's μ): for each of grad_accum micro-batches:
-                  logits ─► grpo.token_logprobs ─► grpo.policy_loss ─► backward (scaled)
+                  logits (autocast) ─► grpo.token_logprobs ─► grpo.policy_loss ─► backward
               clip_grad_norm_ ─► AdamW.step ─► metrics (of the last update)
     load_policy(dir, device, dtype) ─► model (gradient checkpointing on GPU) + tokenizer
     (held-out accuracy is sampled through the server: grpo_nb.llm.evaluate)
     save(dir) / load(dir) ─► model (safetensors) + optimizer + step + version
+
+Mixed precision. The trainable model always holds float32 parameters (the *master* weights)
+and AdamW keeps float32 moments; ``serve_dtype`` (the server's dtype, ``placement.dtype_of``)
+only decides how the forward and backward compute: under ``bfloat16`` they run in
+``torch.autocast``, on CUDA and on the CPU alike (CPUs without AVX-512 BF16 / AMX run it more
+slowly). Weights become ``serve_dtype`` only on their way to the server (the weight syncer
+casts each tensor it sends). Why: at a Qwen-scale lr of 1e-6 an AdamW update is ~1e-6 while a
+bfloat16 step at |w| ≈ 0.02 is ~1e-4, so bf16 parameters would round almost every update back
+to the old value; the master accumulates them until the served bf16 value moves. Each step row
+says how many elements its last update changed: ``step_changed_frac`` (the master's — what
+training did) and ``sent_changed_frac`` (the same elements cast to ``serve_dtype`` — what a
+sync changes on the server; under bf16 at lr 1e-6 a small fraction per step, as expected).
 
 Everything here is synchronous torch code with no I/O besides checkpoints: it can be tested
 without a server.
@@ -80,15 +92,18 @@ def sequence_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch
 
 def load_policy(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
                 *, trainable: bool = True) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from a folder or hub id, in ``dtype`` on ``device``.
+    """``(model, tokenizer)`` from a folder or hub id on ``device``.
 
-    A trainable model on CUDA gets gradient checkpointing (activation memory of long
-    completions); a frozen one (the reference) gets ``requires_grad_(False)``. A tokenizer
+    ``dtype`` is the compute dtype. A frozen model (the reference) is held in it and gets
+    ``requires_grad_(False)``; a trainable one is held in float32 whatever ``dtype`` says (its
+    master weights: :class:`PolicyTrainer` computes in ``dtype`` under autocast) and gets
+    gradient checkpointing on CUDA (activation memory of long completions). A tokenizer
     without a pad token pads with end-of-sequence (pads are masked out of the loss).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    held = torch.float32 if trainable else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=held)
     model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if tokenizer.pad_token_id is None:
@@ -101,24 +116,79 @@ def load_policy(model_dir: str | Path, device: str = "cpu", dtype: str = "float3
     return model, tokenizer
 
 
+CHANGE_SAMPLE = 1 << 24  # parameter elements compared per update (every one below this)
+
+
+class ChangeMeter:
+    """The fraction of parameter elements one optimiser update changed.
+
+    :meth:`before` keeps a copy of the elements it watches, :meth:`after` compares: exactly
+    (every element) for models of up to ``CHANGE_SAMPLE`` elements, else every k-th element
+    of each tensor (an estimate; the copy stays at ``CHANGE_SAMPLE`` elements).
+    ``after`` returns ``(changed, sent_changed)``: the second compares the elements cast to
+    ``send_dtype``, i.e. what the server's copy would see.
+    """
+
+    def __init__(self, params: list[torch.Tensor], send_dtype: torch.dtype) -> None:
+        self.params, self.send_dtype = params, send_dtype
+        self.stride = max(1, math.ceil(sum(p.numel() for p in params) / CHANGE_SAMPLE))
+        self.kept: list[torch.Tensor] = []
+
+    def _watched(self, p: torch.Tensor) -> torch.Tensor:
+        return p.detach().reshape(-1)[::self.stride]
+
+    def before(self) -> None:
+        self.kept = [self._watched(p).clone() for p in self.params]
+
+    def after(self) -> tuple[float, float]:
+        changed = sent = total = 0
+        with torch.no_grad():
+            for p, old in zip(self.params, self.kept, strict=True):
+                new = self._watched(p)
+                changed += int((new != old).sum())
+                sent += int((new.to(self.send_dtype) != old.to(self.send_dtype)).sum())
+                total += old.numel()
+        self.kept = []
+        return changed / max(total, 1), sent / max(total, 1)
+
+
 class PolicyTrainer:
-    """Model + AdamW + (optional) frozen reference; one GRPO step at a time."""
+    """Model + AdamW + (optional) frozen reference; one GRPO step at a time.
+
+    The model's parameters are float32 (converted here if they are not: the master weights,
+    see the module docstring); ``serve_dtype`` is the server's dtype, in which forward and
+    backward compute (:meth:`autocast`) and in which a weight syncer sends them.
+    """
 
     def __init__(self, model: Any, tokenizer: Any, cfg: LLMConfig) -> None:
+        from grpo_nb.llm.placement import dtype_of
+
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.serve_dtype: torch.dtype = getattr(torch, dtype_of(cfg))
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            model.float()  # in place: whoever holds the model (the syncer) sees the masters
         self.model.train()
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                                      weight_decay=cfg.weight_decay)
+        self.changes = ChangeMeter(list(model.parameters()), self.serve_dtype)
         if next(model.parameters()).is_cuda and not model.is_gradient_checkpointing:
             model.gradient_checkpointing_enable()  # memory for long sequences on GPU
         self.step_count = 0
         self.version = 0  # weight version the server last confirmed
         self.last_verified: int | None = None  # last version proven served (probe check)
         self.skipped = 0  # steps not taken: non-finite loss or gradient
+        self.last_changed = (0.0, 0.0)  # ChangeMeter.after() of the last optimiser update
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def autocast(self) -> Any:
+        """``with pt.autocast():`` a forward of the policy computes in ``serve_dtype``
+        (bf16 autocast; a no-op under float32). Use it for any forward meant to match the
+        server, e.g. a log-prob probe."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.serve_dtype == torch.bfloat16)
 
     def step(self, groups: list[Group]) -> dict[str, Any]:
         """``num_iterations`` optimiser updates on ``groups`` (each split into ``grad_accum``
@@ -145,7 +215,7 @@ class PolicyTrainer:
         else:
             total_rows = sum(len(b.advantages) for b in batches)
             weights = [len(b.advantages) / total_rows for b in batches]
-        done, sums, grad_norm = 0, {}, math.nan
+        done, sums, grad_norm, changed = 0, {}, math.nan, (0.0, 0.0)
         for _ in range(cfg.num_iterations):
             bad, update_sums, update_norm = self._update(batches, weights, olds)
             if bad is not None and done == 0:
@@ -154,6 +224,7 @@ class PolicyTrainer:
             if bad is not None:
                 break  # the updates made stand: the row's "updates" says how many
             done, sums, grad_norm = done + 1, update_sums, update_norm
+            changed = self.last_changed
         self.step_count += 1
         rewards = torch.tensor([r for g in groups for r in g.rewards])
         lengths = [len(r.completion_ids) for g in groups for r in g.rollouts]
@@ -162,7 +233,7 @@ class PolicyTrainer:
             "clip_frac": sums.get("clip_frac_low", 0.0) + sums.get("clip_frac_high", 0.0),
             "ratio_mean": sums.get("ratio_mean", 1.0),
             "tis_weight_mean": sums.get("tis_weight_mean", 1.0), "grad_norm": grad_norm,
-            "updates": done,
+            "updates": done, "step_changed_frac": changed[0], "sent_changed_frac": changed[1],
             "reward": float(rewards.mean()), "tokens": int(sum(lengths)),
             "response_len": sum(lengths) / max(len(lengths), 1),
             "zero_std_groups": grpo.zero_std_groups(rewards, cfg.group_size),
@@ -187,14 +258,17 @@ class PolicyTrainer:
         if not math.isfinite(grad_norm):
             self.opt.zero_grad(set_to_none=True)
             return f"grad_norm={grad_norm}", sums, grad_norm
+        self.changes.before()
         self.opt.step()
+        self.last_changed = self.changes.after()
         return None, sums, grad_norm
 
     def _micro_loss(self, b: Batch, olds: list[torch.Tensor | None], i: int
                     ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg, dev = self.cfg, self.device
         ids, attn, mask = b.input_ids.to(dev), b.attention_mask.to(dev), b.loss_mask.to(dev)
-        logp = sequence_logprobs(self.model, ids, attn, cfg.temperature)
+        with self.autocast():  # the backward follows the forward's dtypes
+            logp = sequence_logprobs(self.model, ids, attn, cfg.temperature)
         sampler = b.sampler_logprobs.to(dev)
         extra: dict[str, Any] = {}
         if cfg.ratio_against == "sampler":

@@ -1,6 +1,7 @@
 """``python -m grpo_nb rollouts [--smoke] [--model PATH_OR_NAME]`` — rollouts end to end.
 
-    tiny model (built or cached) or --model ──► VLLMServer (or --attach URL)
+    tiny model (built or cached) or --model ──► LLMConfig: max_tokens, context length
+        ──► VLLMServer (max_model_len = cfg.context_len; or --attach URL)
         ──► generate_groups(test prompts) ──► rewards, advantages, tokens/s
         ──► transformers model: logprob_agreement ──► LAST line: one JSON object
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -31,26 +33,49 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attach", metavar="URL", help="use a running server instead of starting one")
     p.add_argument("--groups", type=int, default=None, help="prompts (default 16, smoke 8)")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default: 8 for the tiny model's arithmetic, 256 for math text; the "
+                        "server's context is 256 (prompt) + this")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-in-flight", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     return p
 
 
-def _rows_and_model(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], int]:
-    """``(model, rows, max_tokens)`` for the tiny model or a user-given one."""
+def plan(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
+    """``(cfg, rows)``: an :class:`~grpo_nb.llm.config.LLMConfig` for the model and data (the
+    one source of ``max_tokens`` and of the server's context length, as in training) and the
+    test rows to sample, for the tiny model or a user-given one."""
     from grpo_nb import tasks, tiny_model
+    from grpo_nb.llm.config import LLMConfig
 
     n = args.groups or (8 if args.smoke else 16)
-    if args.model is None or (Path(args.model) / "grpo_nb_meta.json").is_file():
-        cfg = preset(tiny_model.TinyModelConfig, smoke=True if args.smoke else None)
-        model_dir = Path(args.model) if args.model else tiny_model.build_or_load(cfg)
+    if tiny_model.is_tiny_model(args.model):
+        tiny = preset(tiny_model.TinyModelConfig, smoke=True if args.smoke else None)
+        model_dir = Path(args.model) if args.model else tiny_model.build_or_load(tiny)
         task_cfg = tasks.ArithmeticTaskConfig(**tiny_model.load_meta(model_dir)["config"]["task"])
-        test = tasks.make_dataset(task_cfg)["test"]
-        return str(model_dir), list(test.select(range(n))), args.max_tokens or 8
-    test = tasks.load_hub_math(args.dataset or "openai/gsm8k", "test")
-    return args.model, list(test.select(range(n))), args.max_tokens or 512
+        rows = list(tasks.make_dataset(task_cfg)["test"].select(range(n)))
+        model, dataset = str(model_dir), "arithmetic"
+    else:
+        model, dataset = args.model, args.dataset or "openai/gsm8k"
+        rows = list(tasks.load_hub_math(dataset, "test").select(range(n)))
+    return LLMConfig(model=model, dataset=dataset, max_tokens=args.max_tokens), rows
+
+
+def server_config(cfg: Any, smoke: bool) -> Any:
+    """The server for ``cfg``: its context holds the longest prompt kept plus ``max_tokens``
+    (``cfg.context_len``), so no request can ask for more than the server allows."""
+    from grpo_nb.serving.server import ServerConfig
+
+    base = ServerConfig.smoke(cfg.model) if smoke else ServerConfig(model=cfg.model)
+    return dataclasses.replace(base, max_model_len=cfg.context_len)
+
+
+def fitting(rows: list[dict[str, Any]], tokenizer: Any, limit: int) -> list[dict[str, Any]]:
+    """The rows whose rendered prompt has at most ``limit`` tokens (``cfg.max_prompt_len``)."""
+    from grpo_nb.tasks import render_prompt
+
+    return [r for r in rows if len(render_prompt(tokenizer, r)) <= limit]
 
 
 async def _generate(server: Any, tokenizer: Any, rows: list[dict[str, Any]],
@@ -73,15 +98,18 @@ def cli(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_nb.serving.rollouts import logprob_agreement, summarize
-    from grpo_nb.serving.server import ServerConfig, VLLMServer
+    from grpo_nb.serving.server import VLLMServer
 
-    model, rows, max_tokens = _rows_and_model(args)
+    cfg, rows = plan(args)
+    model, max_tokens = cfg.model, cfg.max_tokens
     tokenizer = AutoTokenizer.from_pretrained(model)
-    if args.attach:
-        server = VLLMServer.attach(args.attach)
-    else:
-        cfg = ServerConfig.smoke(model) if args.smoke else ServerConfig(model=model)
-        server = VLLMServer(cfg)
+    kept = fitting(rows, tokenizer, cfg.max_prompt_len)
+    if len(kept) < len(rows):
+        print(f"left out {len(rows) - len(kept)} prompts longer than {cfg.max_prompt_len} "
+              "tokens", flush=True)
+    rows = kept
+    server = VLLMServer.attach(args.attach) if args.attach else VLLMServer(
+        server_config(cfg, args.smoke))
     try:
         if not args.attach:
             print(f"starting vLLM for {model} …", flush=True)

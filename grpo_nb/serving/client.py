@@ -33,6 +33,22 @@ import aiohttp
 
 from grpo_nb.metrics import MetricsRecorder
 
+# Every sampling parameter vLLM fills from the model folder's generation_config.json when a
+# request leaves it unset (``--generation-config auto``, vLLM's default; Qwen3 folders ship
+# top_k 20, top_p 0.95, temperature 0.6), at vLLM's neutral value. Under truncation the
+# sampler's processed log-probs are renormalised over the kept tokens, unlike the trainer's
+# full softmax, and the PPO ratio of a fresh sample is not 1.
+NEUTRAL_SAMPLING: dict[str, float | int] = {
+    "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0}
+
+
+def sampling_fields(temperature: float, top_p: float = 1.0) -> dict[str, float | int]:
+    """Every sampling field of a ``/v1/completions`` request, set explicitly: ``temperature``
+    and ``top_p`` as given, the rest at :data:`NEUTRAL_SAMPLING`. The one place the request's
+    sampling fields are defined (:meth:`CompletionsClient.complete` sends them)."""
+    return {"temperature": temperature, "top_p": top_p, **NEUTRAL_SAMPLING}
+
 
 class CompletionError(RuntimeError):
     """A request that failed for good. ``kind`` names the counter it was added to."""
@@ -160,10 +176,12 @@ class CompletionsClient:
                        seed: int | None = None, **extra: Any) -> list[Completion]:
         """Sample ``n`` completions of a token-id prompt; raises :class:`CompletionError`.
 
-        ``extra`` goes into the request body as is (e.g. ``ignore_eos``, ``logit_bias``).
+        Every sampling field is sent (:func:`sampling_fields`), so the model folder's
+        ``generation_config.json`` never changes what is sampled. ``extra`` goes into the
+        request body as is (e.g. ``ignore_eos``, ``logit_bias``, ``cache_salt``).
         """
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
-                "temperature": temperature, "top_p": top_p, "n": n, "logprobs": 1,
+                **sampling_fields(temperature, top_p), "n": n, "logprobs": 1,
                 "return_token_ids": True, **extra}
         if seed is not None:
             body["seed"] = seed

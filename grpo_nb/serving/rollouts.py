@@ -40,7 +40,13 @@ ABORT_RETRIES = 3  # a group whose samples were aborted is sampled again at most
 
 @dataclass
 class SamplingConfig:
-    """How rollouts are sampled and scored."""
+    """How rollouts are sampled and scored.
+
+    ``temperature`` and ``top_p`` are the only sampling fields a request varies; the client
+    sends every other one at vLLM's neutral value
+    (:func:`~grpo_nb.serving.client.sampling_fields`), so a model folder's
+    ``generation_config.json`` changes nothing.
+    """
 
     max_tokens: int = 8
     temperature: float = 1.0

@@ -148,7 +148,11 @@ class ServerConfig:
                "--disable-uvicorn-access-log",
                # Log-probs *after* temperature/top-p (vLLM's default is before): those of the
                # distribution that was sampled, which is what a PPO ratio divides by.
-               "--logprobs-mode", "processed_logprobs"]
+               "--logprobs-mode", "processed_logprobs",
+               # vLLM's neutral sampling defaults, not the model folder's generation_config.json
+               # (Qwen3's: top_k 20, top_p 0.95, temperature 0.6) for any field a request
+               # leaves unset; our clients set every one anyway (client.sampling_fields).
+               "--generation-config", "vllm"]
         if gpu:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         kv = self.kv_cache_bytes if self.kv_cache_bytes is not None else (None if gpu else 64 << 20)

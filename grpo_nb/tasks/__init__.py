@@ -33,7 +33,12 @@ from grpo_nb.tasks.data import (
     load_hub_math,
     load_task,
 )
-from grpo_nb.tasks.prompts import has_chat_template, prompt_text, render_prompt
+from grpo_nb.tasks.prompts import (
+    has_chat_template,
+    prompt_text,
+    render_prompt,
+    template_defaults,
+)
 from grpo_nb.tasks.rewards import (
     REWARDS,
     RewardFn,
@@ -49,5 +54,5 @@ __all__ = [
     "WeightedReward", "answers_match", "arithmetic_config", "dataset_source", "extract_answer",
     "format_ok", "format_problem", "has_chat_template", "is_arithmetic_name", "load_hub_math",
     "load_task", "make_dataset", "make_reward", "parse_reward", "prompt_text", "register_reward",
-    "render_prompt", "reward",
+    "render_prompt", "reward", "template_defaults",
 ]

@@ -89,8 +89,8 @@ class VLLMControlClient:
         with self._count_lock:
             self.round_trips += 1
         try:
-            response = session.request(method, url, timeout=self.timeout, headers=headers,
-                                       **kwargs)
+            response = session.request(method, url, timeout=kwargs.pop("timeout", None)
+                                       or self.timeout, headers=headers, **kwargs)
         except requests.RequestException as err:
             raise WeightSyncError(f"{method} {url}: {type(err).__name__}: {err}") from err
         if not response.ok:
@@ -111,10 +111,16 @@ class VLLMControlClient:
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[Any]:
+        """Call a worker method (ours: worker.py); ``timeout`` bounds this HTTP call only.
+
+        vLLM's own RPC timeout (a ``timeout`` in the body) is never used: when it fires, the
+        worker's late reply stays queued in the engine and every later RPC receives its
+        predecessor's reply (``MultiprocExecutor.collective_rpc`` dequeues one reply per
+        call). A call the client gave up on completes inside the server instead, and the
+        replies stay in step.
+        """
         body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}}
-        if timeout is not None:
-            body["timeout"] = timeout
-        response = self._request("POST", "collective_rpc", json=body)
+        response = self._request("POST", "collective_rpc", json=body, timeout=timeout)
         return response.json().get("results", []) if response.content else []
 
     def weight_version(self) -> str | None:
@@ -130,5 +136,5 @@ class VLLMControlClient:
     def model_name(self) -> str:
         return self._request("GET", "v1/models").json()["data"][0]["id"]
 
-    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._request("POST", "v1/completions", json=body).json()
+    def completions(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        return self._request("POST", "v1/completions", json=body, timeout=timeout).json()

@@ -20,6 +20,11 @@ receive overlapped with ``load_weights``, and start / update / finish folded int
 engine core runs it as one step, so no forward pass can see a half-loaded model).
 Slots are 16-byte aligned so each is viewed as its dtype without a copy. The worker keeps the
 receive buffer (one copy of the weights) for the server's lifetime.
+
+Bounds: both ranks' group has a timeout (``timeout_s``), so a receive or send waiting on a
+silent peer fails; the trainer's wait on its sends has the same deadline, and the syncer gives
+up on a whole transfer shortly after (a trainer stalled mid-send). Closing a group aborts its
+sockets, so the peer's pending operations fail at once rather than at the timeout.
 """
 
 from __future__ import annotations
@@ -82,6 +87,36 @@ def layer_key(name: str) -> str:
     return name
 
 
+def refresh_tied_heads(model: torch.nn.Module) -> int:
+    """Rebuild the kernel state of every output head tied to the input embedding.
+
+    vLLM's layerwise reload processes a layer when its own weights arrive. A tied ``lm_head``
+    gets none (the shared tensor arrives once, as ``embed_tokens.weight``), so
+    ``finalize_layerwise_processing`` only puts the shared, updated tensor back and never
+    re-runs ``process_weights_after_loading``: on CPU, the oneDNN handler that step built holds
+    its own packed copy of the weight, and the logits keep coming from the weights the server
+    started with. Returns how many heads it rebuilt.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    inputs = {id(m.weight) for m in model.modules()
+              if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+    heads = [m for m in model.modules()
+             if isinstance(m, ParallelLMHead) and id(m.weight) in inputs]
+    for head in heads:
+        if not isinstance(head.quant_method, UnquantizedEmbeddingMethod):
+            # Re-processing would quantize a quantized weight again; serving stale logits
+            # silently would be worse than refusing.
+            raise RuntimeError(f"a tied lm_head with {type(head.quant_method).__name__} cannot "
+                               "be rebuilt after a weight update")
+        head.quant_method.process_weights_after_loading(head)
+    return len(heads)
+
+
 # ── worker side (inside the vLLM server) ───────────────────────────────────────────────────
 
 
@@ -137,6 +172,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_heads(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which fails on a CPU-only
@@ -252,8 +288,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 rpc.result()  # surface the server's error (e.g. unknown backend) first
         return engine
 
-    def send_weights(self) -> None:
-        """One sync: the worker's RPC runs concurrently with our broadcasts."""
+    def send_weights(self, record: bool = False) -> None:
+        """One sync: the worker's RPC runs concurrently with our broadcasts; ``record``: the
+        worker digests every tensor it loads (the syncer's exact verification)."""
         assert self.source is not None and self.group is not None
         meta = self.source.metadata()
         info = GlooUpdateInfo(names=[m.name for m in meta],
@@ -263,8 +300,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         works: list[Any] = []
         try:
             rpc = self._rpc_pool.submit(self.client.collective_rpc,  # type: ignore[attr-defined]
-                                        SYNC_METHOD, {"update_info": asdict(info)},
-                                        self.timeout_s)
+                                        SYNC_METHOD, {"update_info": asdict(info),
+                                                      "record": record}, self.timeout_s)
             t_send = time.perf_counter()
             failure = self._post_sends(meta, works)
             _wait_all(works, rpc, time.monotonic() + self.timeout_s)

@@ -15,6 +15,7 @@ it coexists with any group the trainer or vLLM already runs.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from datetime import timedelta
 from typing import Any
@@ -82,8 +83,11 @@ def open_group(rank: int, world_size: int, timeout_s: float, *, port: int | None
 
 def close_group(group: Any, *, abort: bool = False) -> None:
     """Tear the group down; ``abort`` closes its sockets at once, so a peer blocked in a
-    receive fails now ("connection closed by peer") instead of at the gloo timeout."""
+    receive fails now ("connection closed by peer") instead of at the gloo timeout. An abort
+    never raises: it may re-raise the error of an operation still pending (a receive that
+    timed out), which is why the group is being dropped and was reported where it happened."""
     if abort:
-        group.abort()
+        with contextlib.suppress(Exception):
+            group.abort()
     else:
         group.shutdown()

@@ -4,16 +4,21 @@ One :class:`WeightSyncer` per (trainer model, server). Each :meth:`WeightSyncer.
 vLLM's own weight-update flow and sets a new weight version on the server::
 
     sync(version)
+      ├─ /collective_rpc grpo_abort_update  (only after a failed sync: close its update)
       ├─ /pause?mode=keep|wait|abort   (no token from half-new weights; "none": see below)
-      ├─ transport
+      ├─ transport, in the send dtype (the server's: an fp32 trainer sends bf16 to a bf16 server)
       │    gloo   : vLLM WeightTransferTrainerFactory → our gloo engine (start + update +
       │             finish in one /collective_rpc, overlapped with our broadcasts)
       │    nccl   : the same factory → vLLM's NCCL engine (trainer and server on 2 GPUs)
       │    ipc    : the same factory → vLLM's CUDA-IPC engine (trainer and server share a GPU)
-      │    reload : save safetensors → /collective_rpc reload_weights(weights_path=DIR)
+      │    reload : save safetensors → /collective_rpc grpo_reload_weights(weights_path=DIR)
+      │    (verify: the worker digests every tensor its load_weights receives; gloo says so
+      │     in its update RPC, the others in one /collective_rpc grpo_begin_update first)
       ├─ weight version := str(version)
       ├─ /resume                          (after any attempted /pause, unless dirty: below)
-      └─ verify (optional): server's probe log-probs == trainer's, version matches
+      └─ verify (optional): the worker's digests == the trainer's, bit for bit (verify.py);
+                            version matches. /collective_rpc only: never queued behind
+                            generation, as a /v1/completions probe would be.
 
 Transactions. A failure after the transfer began leaves the server paused on purpose: its
 weights are half-new, and resuming would sample from a model that never existed. The syncer
@@ -21,6 +26,14 @@ records the cause in ``dirty``; the next ``sync`` re-sends everything (every syn
 send) and resumes on success, or raises again and the run stops with the cause. A failure
 before the transfer (``/pause`` timed out, say) resumes as usual. ``SyncResult.phases`` times
 each step and ``round_trips`` counts the HTTP calls (gloo: pause, update, version, resume).
+
+Bounds. Every HTTP call, the gloo group and the transfer as a whole end within
+``timeout_s`` (the transfer: plus a few seconds' grace, so that an engine's own, more precise
+error comes first): a trainer stalled mid-send or a peer that stopped answering fails the sync,
+it does not hang it. A stalled transfer is abandoned (its group aborted, the worker's receives
+fail at once), and the next sync first closes what the failed one left open on the server
+(``grpo_abort_update``: an update vLLM still thinks in progress would refuse every later
+``start_weight_update``) and joins a fresh group.
 
 Pause modes. ``keep`` freezes in-flight requests and continues them on the new weights (their
 early tokens came from the old policy: staleness *within* a sample, which the importance
@@ -44,110 +57,20 @@ import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from grpo_nb.serving.net import free_port
+from grpo_nb.weight_sync import verify as check
 from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError
+from grpo_nb.weight_sync.config import EXTENSION, SyncResult, WeightSyncConfig, model_bytes
+from grpo_nb.weight_sync.steps import Phases, in_background, within
 
-Transport = Literal["gloo", "reload", "nccl", "ipc"]
-PauseMode = Literal["keep", "wait", "abort", "none"]
-EXTENSION = "grpo_nb.weight_sync.worker.GrpoWorkerExtension"
-
-
-@dataclass
-class WeightSyncConfig:
-    """How weights travel to the server.
-
-    Args:
-        transport: ``gloo`` (CPU, our engine), ``reload`` (CPU, from disk), ``nccl`` (GPU,
-            one per side) or ``ipc`` (GPU shared by trainer and server).
-        pause_mode: what happens to in-flight requests during a sync (see module docstring).
-        verify: after each sync, check that the served weights equal the trainer's.
-        chunk_mb: unused (the gloo engine sends each tensor as it is; old configs load).
-        timeout_s: HTTP and process-group timeout; bounds how long a dead peer can block.
-        atol: largest probe log-prob difference that still counts as "same weights".
-        probe_batch / probe_len: size of the probe used by :meth:`WeightSyncer.verify`.
-    """
-
-    transport: Transport = "gloo"
-    pause_mode: PauseMode = "keep"
-    verify: bool = True
-    chunk_mb: int = 64
-    timeout_s: float = 20.0
-    atol: float = 1e-3
-    probe_batch: int = 4
-    probe_len: int = 32
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("gloo", "reload", "nccl", "ipc"):
-            raise ValueError(f"WeightSyncConfig.transport={self.transport!r}: "
-                             "use 'gloo', 'reload', 'nccl' or 'ipc'")
-        if self.pause_mode not in ("keep", "wait", "abort", "none"):
-            raise ValueError(f"WeightSyncConfig.pause_mode={self.pause_mode!r}: "
-                             "use 'keep', 'wait', 'abort' or 'none'")
-        if self.pause_mode == "none" and self.transport not in ("gloo", "reload"):
-            raise ValueError(f"WeightSyncConfig.pause_mode='none' needs a CPU transport "
-                             f"('gloo' or 'reload'), not {self.transport!r}: only vLLM's CPU "
-                             "engine surely runs the update between two steps (use 'keep')")
-        if self.chunk_mb < 1:
-            raise ValueError(f"WeightSyncConfig.chunk_mb={self.chunk_mb}: must be >= 1")
-        if self.timeout_s <= 0:
-            raise ValueError(f"WeightSyncConfig.timeout_s={self.timeout_s}: must be > 0")
-
-    @classmethod
-    def smoke(cls) -> WeightSyncConfig:
-        return cls()
-
-    def server_settings(self) -> dict[str, Any]:
-        """The ``serving.ServerConfig`` fields the server needs for this transport."""
-        backend = None if self.transport == "reload" else {"backend": self.transport}
-        settings: dict[str, Any] = {"worker_extension_cls": EXTENSION,
-                                    "weight_transfer_config": backend, "dev_mode": True}
-        if self.transport == "ipc":  # CUDA-IPC handles travel pickled over HTTP
-            settings["env"] = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-        return settings
-
-
-@dataclass
-class SyncResult:
-    """What one sync did: the version now served, its duration and size, and the check.
-
-    ``phases`` holds milliseconds per phase: ``pause``, ``transfer`` (trainer side: gloo sends
-    / safetensors write), ``load`` (server side: ``load_weights`` / the reload RPC),
-    ``finish`` (server side: layer processing after the last tensor; gloo), ``cache`` (``none``,
-    unsalted: the prefix-cache reset), ``version``, ``resume`` and ``total``; gloo adds the server's
-    ``start``, ``wait`` (blocked on the wire) and ``rpc`` (the update call seen by the trainer).
-    ``round_trips`` counts the HTTP calls the sync made (verification not included).
-    """
-
-    version: int
-    ms: float
-    bytes: int
-    verified: bool | None  # None: not checked
-    phases: dict[str, float] = field(default_factory=dict)
-    round_trips: int = 0
-
-
-def model_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-class _Phases(dict):
-    """``with phases("pause"): …`` records the block's milliseconds under that name."""
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self[name] = self.get(name, 0.0) + (time.perf_counter() - t) * 1e3
-
+__all__ = ["EXTENSION", "SyncResult", "WeightSyncConfig", "WeightSyncer", "model_bytes"]
+GRACE_S = 5.0  # past timeout_s before a transfer is abandoned (see "Bounds")
 
 class WeightSyncer:
     """Trainer side of weight sync for one model and one server (see module docstring).
@@ -169,17 +92,55 @@ class WeightSyncer:
         self.dirty: str | None = None  # why the server holds half-loaded weights, if it does
         self._tmp: Path | None = None
         self._model_name: str | None = None
-        self.last_gap: float | None = None
+        self.last_gap: float | None = None  # the last weight_gap() (the teaching probe)
         self._held = False  # the server is paused by a failed "none" sync (see sync)
+        self._dtype: torch.dtype | None = None  # the send dtype, once known
+        self._armed = False  # the worker records digests and nobody has read them yet
+
+    def send_dtype(self) -> torch.dtype:
+        """The dtype tensors travel in: ``cfg.send_dtype``, else the server's (asked once)."""
+        if self._dtype is None:
+            name = self.cfg.send_dtype
+            if name is None:
+                answers = self.client.collective_rpc("grpo_model_dtype")
+                name = answers[0] if answers else None
+            dtype = getattr(torch, str(name), None)
+            if not isinstance(dtype, torch.dtype):
+                raise WeightSyncError(f"the server did not name its dtype ({name!r}): is "
+                                      f"{EXTENSION} loaded (--worker-extension-cls)?")
+            self._dtype = dtype
+        return self._dtype
+
+    @property
+    def send_source(self) -> Any:
+        """The trainer's weights as vLLM's engines read them, in :meth:`send_dtype`."""
+        from grpo_nb.weight_sync.source import SendSource
+
+        return SendSource(self.model, self.send_dtype)
 
     # ── setup / teardown ──
 
     def connect(self) -> None:
-        """Join the server's transfer engine (gloo / nccl); a no-op for ``reload``."""
+        """Join the server's transfer engine (gloo / nccl / ipc); a no-op for ``reload``.
+
+        vLLM's CUDA engines take the calling thread's current device (NCCL builds its
+        communicator there, IPC names its GPU) and ``torch.cuda.set_device`` is per thread,
+        while the ring syncs from a worker thread: so the engine is built, and every later
+        call into it made, under the model's own device, whichever thread calls
+        (:mod:`grpo_nb.weight_sync.on_device`).
+        """
         if self.engine is not None or self.cfg.transport == "reload":
             return
-        from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from grpo_nb.weight_sync.on_device import OnDevice, device_scope
+
+        device = next(self.model.parameters()).device
+        if (device.type == "cuda") != (self.cfg.transport in ("nccl", "ipc")):
+            raise WeightSyncError(
+                f"WeightSyncConfig.transport={self.cfg.transport!r} cannot send a model on "
+                f"{device}: 'nccl' and 'ipc' need it on CUDA, 'gloo' on the CPU "
+                "(grpo_nb.llm.placement.sync_of picks the transport for a device)")
 
         if self.cfg.transport == "gloo":
             from grpo_nb.weight_sync.gloo_engine import GlooTrainerInitInfo, register
@@ -195,8 +156,10 @@ class WeightSyncer:
 
             info = IPCTrainerInitInfo(rank=0)
         try:
-            self.engine = WeightTransferTrainerFactory.trainer_init(
-                info, client=self.client, source=ModuleSource(self.model))
+            with device_scope(device):
+                engine = WeightTransferTrainerFactory.trainer_init(
+                    info, client=self.client, source=self.send_source)
+            self.engine = OnDevice(engine, device) if device.type == "cuda" else engine
         except WeightSyncError:
             raise
         except Exception as err:
@@ -229,27 +192,31 @@ class WeightSyncer:
         """Send the model's current weights as ``version``; raise :class:`WeightSyncError`.
 
         ``verify`` overrides ``cfg.verify`` for this call (the ring checks every few syncs
-        and always the last one: each check costs a few probe requests).
+        and always the last one: the worker digests what it receives only then).
         """
-        phases, trips = _Phases(), self.client.round_trips
+        record = self.cfg.verify if verify is None else verify
+        phases, trips = Phases(), self.client.round_trips
         start = time.perf_counter()
         touched = False
         paused = self._held  # a dirty server that "none" paused stays so until a full re-send
         failure: BaseException | None = None
         try:
+            if self.dirty is not None:
+                with phases("reset"):
+                    self._reset_server()
             self.connect()
             if self.cfg.pause_mode != "none":
                 paused = True  # resume after any attempted /pause
                 with phases("pause"):
                     self.client.pause(self.cfg.pause_mode)
             touched = True  # from here on the served weights may be half-new
-            self._transfer(str(version), phases)
+            self._transfer(str(version), phases, record)
             self.dirty = None
         except BaseException as err:
             failure = err
             if touched:
                 self.dirty = f"sync to version {version}: {type(err).__name__}: {err}"
-                self._drop_engine()  # a fresh group next time: this one may be mid-stream
+                self._abandon_engine()  # a fresh group next time: this one may be mid-stream
                 if not paused:  # "none": stop sampling from half-new weights now
                     with contextlib.suppress(Exception):
                         self.client.pause("abort")
@@ -263,14 +230,14 @@ class WeightSyncer:
             raise WeightSyncError(f"weights for version {version} loaded, but /resume "
                                   f"failed: {resume_error}") from resume_error
         phases["total"] = (time.perf_counter() - start) * 1e3
-        result = SyncResult(version, phases["total"], model_bytes(self.model), None,
-                            dict(phases), self.client.round_trips - trips)
-        if self.cfg.verify if verify is None else verify:
+        result = SyncResult(version, phases["total"], model_bytes(self.model, self._dtype),
+                            None, dict(phases), self.client.round_trips - trips)
+        if record:
             result.verified = self.verify(version)
         self.version = version
         return result
 
-    def _resume(self, phases: _Phases) -> BaseException | None:
+    def _resume(self, phases: Phases) -> BaseException | None:
         try:
             with phases("resume"):
                 self.client.resume()
@@ -300,12 +267,17 @@ class WeightSyncer:
         return err if isinstance(err, WeightSyncError) else WeightSyncError(
             f"weight sync to version {version} failed: {cause}")
 
-    def _transfer(self, version: str, phases: _Phases) -> None:
+    def _transfer(self, version: str, phases: Phases, record: bool) -> None:
         """Send every tensor (as the transport does it), then name the version now served."""
+        if self.cfg.transport != "gloo" and (record or self._armed):
+            # gloo says it in its update RPC; an armed record nobody read is restarted too
+            self.client.collective_rpc("grpo_begin_update", {"record": record},
+                                       timeout=self.cfg.timeout_s)
+        self._armed = record
         if self.cfg.transport == "reload":
             self._reload(phases)
         elif self.cfg.transport == "gloo":
-            self.engine.send_weights()
+            self._bounded(lambda: self.engine.send_weights(record=record))
             report = self.engine.last
             server = report.server
             phases.update(transfer=report.send_ms, rpc=report.rpc_ms,
@@ -313,88 +285,96 @@ class WeightSyncer:
                           load=server.get("load_ms", 0.0), finish=server.get("finish_ms", 0.0))
         else:
             with phases("transfer"):
-                self.engine.send_weights()
+                self._bounded(self.engine.send_weights)
         self._forget_old_prompts(phases)
         with phases("version"):
             self.client.set_weight_version(version)
 
-    def _forget_old_prompts(self, phases: _Phases) -> None:
+    def _bounded(self, send: Callable[[], None]) -> None:
+        """One transfer, given up after ``timeout_s`` + grace: a trainer stalled mid-send (a
+        slow gather, a hung device call) or a blocked broadcast fails the sync instead of
+        hanging it; the failure path then abandons the engine (see "Bounds")."""
+        limit = self.cfg.timeout_s + GRACE_S
+        try:
+            within(limit, send, f"{self.cfg.transport} transfer")
+        except TimeoutError as err:
+            raise WeightSyncError(f"{err} (WeightSyncConfig.timeout_s={self.cfg.timeout_s} + "
+                                  f"{GRACE_S:.0f} s): abandoned, its group closed") from None
+
+    def _abandon_engine(self) -> None:
+        """Drop the engine after a failure; shut it down on a daemon thread (a gloo group
+        aborts at once, a CUDA communicator with a send in flight may never return)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            in_background(engine.shutdown, "grpo-engine-shutdown")
+
+    def _reset_server(self) -> None:
+        """After a failed sync: close the update it left open on the server (see "Bounds")."""
+        try:
+            self.client.collective_rpc("grpo_abort_update", timeout=self.cfg.timeout_s)
+        except WeightSyncError as err:
+            raise WeightSyncError(f"could not close the failed weight update on the server "
+                                  f"(grpo_abort_update): {err}") from err
+
+    def _forget_old_prompts(self, phases: Phases) -> None:
         """``none``: drop the old weights' prompt KV (vLLM refuses while requests hold it)."""
         if self.cfg.pause_mode == "none" and not self.salted:
             with phases("cache"):
                 self.client.reset_prefix_cache()
 
-    def _reload(self, phases: _Phases) -> None:
+    def _reload(self, phases: Phases) -> None:
         if self._tmp is None:
             self._tmp = Path(tempfile.mkdtemp(prefix="grpo_nb_weights_"))
-        # safetensors from the state dict: what vLLM's loader reads, without config files.
+        # safetensors of what every transport sends: what vLLM's loader reads, no config files.
         from safetensors.torch import save_file
 
         with phases("transfer"):
-            state = {k: v.detach().to("cpu").contiguous()
-                     for k, v in self.model.state_dict().items()}
-            if getattr(self.model.config, "tie_word_embeddings", False):
-                state.pop("lm_head.weight", None)
+            state = {name: t.to("cpu").contiguous()
+                     for name, t in check.sent_tensors(self.model, self.send_dtype())}
             save_file(state, str(self._tmp / "model.safetensors"))
         with phases("load"):
-            self.client.collective_rpc("reload_weights", {"weights_path": str(self._tmp)},
+            self.client.collective_rpc("grpo_reload_weights",
+                                       {"weights_path": str(self._tmp)},
                                        timeout=self.cfg.timeout_s)
 
     # ── verification ──
 
-    def probe(self) -> list[list[int]]:
-        """Fixed token sequences whose log-probs both sides compute (seeded, model's vocab)."""
-        vocab = int(self.model.config.vocab_size)
-        gen = torch.Generator().manual_seed(1234)
-        return torch.randint(0, vocab, (self.cfg.probe_batch, self.cfg.probe_len),
-                             generator=gen).tolist()
-
-    def server_logprobs(self, ids: list[list[int]]) -> torch.Tensor:
-        """``[N, L-1]`` log-probs the server assigns to each probe token given its prefix."""
-        if self._model_name is None:
-            self._model_name = self.client.model_name()
-        rows = []
-        for seq in ids:
-            body = {"model": self._model_name, "prompt": seq, "max_tokens": 1,
-                    "temperature": 0.0, "prompt_logprobs": 0}
-            choice = self.client.completions(body)["choices"][0]
-            entries = choice.get("prompt_logprobs") or []
-            if len(entries) != len(seq):
-                raise WeightSyncError(f"server returned {len(entries)} prompt log-probs for a "
-                                      f"{len(seq)}-token probe")
-            rows.append([float(entries[i][str(tok)]["logprob"])
-                         for i, tok in enumerate(seq) if i > 0])
-        return torch.tensor(rows, dtype=torch.float64)
-
-    @torch.no_grad()
-    def trainer_logprobs(self, ids: list[list[int]]) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        x = torch.tensor(ids, device=device)
-        logits = self.model(input_ids=x).logits.float()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, x[:, 1:, None])
-        return logp.squeeze(-1).double().cpu()
-
-    def weight_gap(self) -> float:
-        """Largest |log-prob difference| between server and trainer on the probe."""
-        ids = self.probe()
-        return float((self.server_logprobs(ids) - self.trainer_logprobs(ids)).abs().max())
-
     def verify(self, version: int | None = None) -> bool:
-        """Raise unless the server serves the trainer's weights (and weight ``version``).
-
-        The proof is behavioural: the server's log-probs of fixed probe sequences must equal
-        the trainer's to within ``atol`` (float32 on both sides agrees to ~1e-5; one optimiser
-        step moves them by far more). Comparing raw tensors is not possible on CPU, where
-        vLLM repacks linear weights into its own layout.
+        """Raise unless the server received exactly the trainer's weights (and serves weight
+        ``version``): every parameter, cast to the send dtype, reached the server model's
+        ``load_weights`` once, bit for bit, in the last sync made with ``verify=True``
+        (:mod:`grpo_nb.weight_sync.verify`). Exact in every dtype and transport.
         """
-        gap = self.weight_gap()
-        self.last_gap = gap
-        if not gap <= self.cfg.atol:
-            raise WeightSyncError(f"served weights differ from the trainer's: probe log-probs "
-                                  f"differ by up to {gap:.3g} (> atol={self.cfg.atol})")
+        records = self.client.collective_rpc("grpo_update_record", timeout=self.cfg.timeout_s)
+        self._armed = False
+        expected = check.expected_digests(self.model, self.send_dtype())
+        for rank, received in enumerate(records or [None]):
+            problem = check.compare(expected, received)
+            if problem is not None:
+                where = f" (worker {rank})" if len(records) > 1 else ""
+                raise WeightSyncError(f"served weights differ from the trainer's{where}: "
+                                      f"{problem}")
         if version is not None:
             served_version = self.client.weight_version()
             if served_version != str(version):
                 raise WeightSyncError(f"server reports weight version {served_version!r}, "
                                       f"expected {str(version)!r}")
         return True
+
+    def probe(self) -> list[list[int]]:
+        """Fixed token sequences for :meth:`weight_gap` (seeded, the model's vocabulary)."""
+        return check.probe_ids(int(self.model.config.vocab_size), self.cfg.probe_batch,
+                               self.cfg.probe_len)
+
+    def weight_gap(self) -> float:
+        """Largest |log-prob difference| between server and trainer on the probe: the
+        behavioural view of a sync (teaching; read against ``cfg.atol``). Float32 sides agree
+        to ~1e-5; bf16 kernels round differently, which is why :meth:`verify` is exact."""
+        if self._model_name is None:
+            self._model_name = self.client.model_name()
+        ids = self.probe()
+        served = check.server_logprobs(self.client, self._model_name, ids)
+        gap = float((served - check.trainer_logprobs(self.model, ids, self.send_dtype()))
+                    .abs().max())
+        self.last_gap = gap
+        return gap
