@@ -103,7 +103,17 @@ NBWATCH_FLAGS ?=
 nbwatch: setup
 	$(BIN)/python scripts/nb_hang_watch.py --runs $(RUNS) --stall-s $(STALL_S) --workers $(NB_WORKERS) $(NBWATCH_FLAGS) notebooks/*.ipynb
 
-test: lint check-notebooks pytest nbtest
+# pytest and the notebooks run side by side (the notebooks one at a time): both spend most of
+# their time waiting on servers, processes and timers, so on 2 cores they overlap. Each one's
+# output appears when it ends. TEST_JOBS=1 runs them one after the other, notebooks two at a time.
+TEST_JOBS ?= 2
+test: lint check-notebooks
+ifeq ($(TEST_JOBS),1)
+	@$(MAKE) --no-print-directory pytest nbtest
+else
+	@echo "pytest and the notebooks run side by side; each one's output appears when it ends"
+	@$(MAKE) --no-print-directory -j2 --output-sync=target pytest nbtest NB_WORKERS=1
+endif
 
 # Student copies, executed HTML pages + index, one PDF: build/handouts/index.html.
 # HANDOUT_FLAGS=--full for full-size runs; --solutions for an instructor copy.

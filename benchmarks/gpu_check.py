@@ -10,17 +10,24 @@
                process
     ─► prints ONE JSON line: tokens/s, step time, sync ms, peak memory, weights verified,
        accuracy before/after, the transport used, what failed and why
+    --probe    what needs neither vLLM nor the Hub (benchmarks/gpu_probe.py): the device each
+               thread sees, a CUDA-IPC round trip between two processes, bf16-vs-fp32
+               ``step_changed_frac`` on a random-weight model of Qwen3-0.6B's shape, peak
+               memory of a training step with the server's share of the GPU held; without
+               CUDA its CUDA checks say ``"skipped": "no CUDA"``. ``--small``: a reduced shape
 
 Budget on one H200: model + data download (when not cached) + server start + ``--steps``
 steps, a few minutes. ``--model`` / ``--dataset`` take local copies when offline.
 
-Run: ``python benchmarks/gpu_check.py`` (GPU) or ``python benchmarks/gpu_check.py --dry-run``.
+Run: ``python benchmarks/gpu_check.py`` (GPU), ``python benchmarks/gpu_check.py --dry-run``,
+``python benchmarks/gpu_check.py --probe`` (a GPU machine without vLLM; ``--probe --small`` on CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import resource
@@ -34,6 +41,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a bare checkout
+sys.path.insert(0, str(ROOT / "benchmarks"))  # gpu_probe, also in a spawned child
 
 GPU_RUN = dict(prompts_per_step=8, group_size=8, generators=2, max_inflight=64,
                max_prompt_len=256, max_tokens=256, lr=1e-6, eval_size=64,
@@ -108,13 +116,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=None, help="default: 5 (GPU), 2 (dry run)")
     p.add_argument("--backend", choices=["asyncio", "monarch"], default="asyncio")
     p.add_argument("--runs", help="where the run folder goes (default: a temp folder)")
+    p.add_argument("--probe", action="store_true",
+                   help="only the checks that need neither vLLM nor the Hub")
+    p.add_argument("--small", action="store_true",
+                   help="with --probe: a reduced model shape instead of Qwen3-0.6B's")
     args = p.parse_args(argv)
+    if args.small and not args.probe:
+        p.error("--small goes with --probe")
+    if args.probe and args.dry_run:
+        p.error("--probe and --dry-run are two different checks: choose one")
+    if args.probe:
+        from gpu_probe import probe  # imports no vLLM (tests/test_gpu_check.py)
+
+        report = probe(args.small, GPU_RUN)
+        print(json.dumps(report))
+        return report
     args.steps = args.steps or (2 if args.dry_run else 5)
     report: dict[str, Any] = {"ran": False, "errors": {}}
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
         report["skipped"] = "no CUDA device (use --dry-run to exercise the same path on CPU)"
+        print(json.dumps(report))
+        return report
+    if importlib.util.find_spec("vllm") is None:
+        report["skipped"] = "vLLM is not installed (--probe runs the checks that need no vLLM)"
         print(json.dumps(report))
         return report
     report["hardware"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"

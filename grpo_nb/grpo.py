@@ -65,6 +65,12 @@ def zero_std_groups(rewards: Tensor, group_size: int) -> int:
     return int((g.amax(dim=1) == g.amin(dim=1)).sum().item())
 
 
+def zero_std_fraction(rewards: Tensor, group_size: int) -> float:
+    """:func:`zero_std_groups` as a fraction of the batch's groups (0 for an empty batch)."""
+    flat = zero_std_groups(rewards, group_size)  # validates the shapes first
+    return flat / (rewards.numel() // group_size) if rewards.numel() else 0.0
+
+
 def group_advantages(
     rewards: Tensor, group_size: int, *, scale: AdvScale = "std", eps: float = 1e-6
 ) -> Tensor:
@@ -148,6 +154,30 @@ def token_logprobs(
     if not out:
         return logits.new_zeros((b, t), dtype=torch.float32)
     return torch.cat(out).view(b, t)
+
+
+def masked_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0, *,
+                   chunk_size: int = 512) -> float:
+    """Token-mean entropy (nats) of ``softmax(logits / temperature)`` where ``mask`` is set.
+
+    ``H[b, t] = -Σ_v p_v log p_v``, ``p = softmax(logits[b, t] / τ)``: the entropy of the
+    distribution each token was sampled from, averaged over the unmasked ``[b, t]`` (0 when
+    there are none). ``logits`` is ``[B, T, V]`` aligned with ``mask [B, T]``, as for
+    :func:`token_logprobs`. A diagnostic, never a loss: no gradient; only the unmasked rows are
+    gathered, ``chunk_size`` at a time in float32, so padding and prompt positions cost nothing.
+    """
+    if logits.dim() != 3 or mask.shape != logits.shape[:2]:
+        raise ValueError(f"expected logits [B,T,V] and mask [B,T], got {tuple(logits.shape)} "
+                         f"and {tuple(mask.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    with torch.no_grad():
+        rows, cols = (mask != 0).nonzero(as_tuple=True)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for s in range(0, rows.numel(), chunk_size):
+            z = logits[rows[s:s + chunk_size], cols[s:s + chunk_size]].float() / temperature
+            total += torch.special.entr(torch.softmax(z, dim=-1)).sum()
+        return float(total) / max(rows.numel(), 1)
 
 
 # ── KL estimators ──────────────────────────────────────────────────────────────────────────

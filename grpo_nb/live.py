@@ -139,7 +139,8 @@ def clear_artists(ax: Axes) -> None:
 
 def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_reward: float | None = None,
                fig: Figure | None = None, window_s: float | None = 3.0) -> Figure:
-    """The toy ring's 2x2 figure: reward vs optimum, KL, staleness histogram, actor timeline."""
+    """The toy ring's 2x2 figure: reward vs optimum (and the fraction of groups with no
+    signal), KL and policy entropy, staleness histogram, actor timeline."""
     if fig is None:
         fig = plt.figure(figsize=(11, 6.5))
     if len(fig.axes) == 4:  # redraw into the same axes: much cheaper than a new layout
@@ -160,16 +161,24 @@ def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_rewa
         ax_r.axhline(optimum, color="tab:red", ls="--", lw=1, label=f"optimum {optimum:g}")
     if random_reward is not None:
         ax_r.axhline(random_reward, color="grey", ls=":", lw=1, label=f"random {random_reward:.2f}")
+    flat = [(r["step"], r["zero_std_frac"]) for r in steps if r.get("zero_std_frac") is not None]
+    if flat:  # all-equal rewards: zero advantages, no gradient (solved, or stuck)
+        plot_series(ax_r, *zip(*flat, strict=True), label="groups with no signal", smooth=10,
+                    color="tab:gray", ls="--")
     ax_r.set_ylim(-0.02, 1.05 * (optimum or 1.0))
     ax_r.set_title("reward")
     ax_r.set_xlabel("trainer step")
     legend_if_any(ax_r, loc="lower right", fontsize=8)
     plot_series(ax_kl, xs, [r["kl"] for r in steps], label="KL to reference", color="tab:orange")
+    ent = [(r["step"], r["entropy"]) for r in steps if r.get("entropy") is not None]
+    if ent:  # near 0: the policy stopped exploring
+        plot_series(ax_kl, *zip(*ent, strict=True), label="policy entropy", color="tab:purple")
+    legend_if_any(ax_kl, loc="upper right", fontsize=8)
     for ax in (ax_r, ax_kl):
         ax.relim()
         ax.autoscale_view()
     ax_r.set_ylim(-0.02, 1.05 * (optimum or 1.0))
-    ax_kl.set_title("KL(policy ‖ reference)")
+    ax_kl.set_title("KL(policy ‖ reference) and entropy (nats)")
     ax_kl.set_xlabel("trainer step")
     plot_staleness(ax_st, [s for r in steps for s in r.get("staleness", [])])
     plot_timeline(ax_tl, rec.rows("busy"), window_s=window_s,

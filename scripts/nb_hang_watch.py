@@ -18,7 +18,6 @@ the notebooks' servers compile side by side as on a fresh clone. Processes are e
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -28,6 +27,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from grpo_nb.serving.processes import end_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 PY_SPY = Path(sys.executable).with_name("py-spy")
@@ -82,17 +83,6 @@ def dump_stacks(procs: list[psutil.Process], out: Path) -> list[str]:
     return names
 
 
-def kill_tree(procs: list[psutil.Process]) -> None:
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(alive, timeout=10)
-
-
 def run_once(args: argparse.Namespace, index: int) -> dict:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log = Path(args.out) / f"{stamp}-run{index}.log"
@@ -125,7 +115,7 @@ def run_once(args: argparse.Namespace, index: int) -> dict:
                 dump_dir = log.with_suffix("")
                 stalled = {"after_s": round(time.time() - t0), "dumps": str(dump_dir),
                            "processes": dump_stacks(procs, dump_dir)}
-                kill_tree(procs)
+                end_processes(procs, None, timeout=10)
                 break
         rc = proc.wait()
     tail = log.read_text(errors="replace").strip().splitlines()[-3:]

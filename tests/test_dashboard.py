@@ -23,6 +23,7 @@ def _fake_run(run_dir: Path | None, *, mode: str = "async") -> MetricsRecorder:
                 start=t - (0.5 if mode == "async" else 0.05), end=t)
         rec.log("step", t=t, step=step, reward=0.1 + step / 100, kl=0.0, clip_frac=0.01,
                 response_len=5.0, tokens=640, train_s=0.4, wall_s=t,
+                entropy=2.0 - step / 20, zero_std_frac=0.25, truncated_frac=step / 40,
                 staleness=[1, 1, 0, 2] if mode == "async" else [0, 0, 0, 0])
         rec.log("sync", t=t, step=step, version=step, ms=120.0 + step,
                 verified=True if step % 5 == 0 else None)
@@ -34,8 +35,12 @@ def _fake_run(run_dir: Path | None, *, mode: str = "async") -> MetricsRecorder:
 def test_figure_has_every_panel_and_reports_drops_and_verification() -> None:
     fig = llm_figure(_fake_run(None), window_s=None)
     titles = [ax.get_title() for ax in fig.axes]
-    assert len(fig.axes) == 7
+    assert len(fig.axes) == 9
     assert any("dropped: 1" in t for t in titles)
+    panels = {ax.get_label(): ax for ax in fig.axes}  # subplot_mosaic names each panel
+    assert list(panels["entropy"].lines[0].get_ydata())[-1] == 1.0  # entropy of step 20
+    legend = [t.get_text() for t in panels["signal"].get_legend().get_texts()]
+    assert legend == ["groups, all rewards equal", "completions cut at max_tokens"]
     assert any("weight sync" in t and "verified 4/4 checks" in t for t in titles)
     timeline = next(ax for ax in fig.axes if ax.get_title().startswith("actor timeline"))
     assert [t.get_text() for t in timeline.get_yticklabels()] == ["gen0", "trainer"]

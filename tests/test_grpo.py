@@ -11,7 +11,9 @@ from grpo_nb.grpo import (
     aggregate,
     group_advantages,
     kl_penalty,
+    masked_entropy,
     token_logprobs,
+    zero_std_fraction,
     zero_std_groups,
 )
 
@@ -78,6 +80,9 @@ def test_zero_std_groups_get_exact_zero():
     assert zero_std_groups(rewards, 3) == 2
     assert zero_std_groups(torch.tensor([0.0, 1.0, 1.0, 1.0]), 2) == 1
     assert torch.equal(group_advantages(rewards, 3, scale="none")[:6], torch.zeros(6))
+    assert zero_std_fraction(rewards, 3) == pytest.approx(2 / 3)
+    assert zero_std_fraction(torch.tensor([0.0, 1.0, 1.0, 1.0]), 2) == 0.5
+    assert zero_std_fraction(torch.zeros(0), 2) == 0.0
 
 
 def test_group_advantages_bf16_and_detached():
@@ -99,6 +104,8 @@ def test_group_advantages_errors(rewards, group_size, match):
         group_advantages(rewards, group_size)
     with pytest.raises(ValueError, match=match):
         zero_std_groups(rewards, group_size)
+    with pytest.raises(ValueError, match=match):
+        zero_std_fraction(rewards, group_size)
 
 
 # ── token_logprobs ─────────────────────────────────────────────────────────────────────────
@@ -284,3 +291,41 @@ def test_aggregate_errors():
         aggregate(torch.zeros(1, 1), torch.ones(1, 1), "mean")
     with pytest.raises(ValueError, match="same shape"):
         aggregate(torch.zeros(1, 2), torch.ones(1, 1))
+
+
+# ── masked_entropy ─────────────────────────────────────────────────────────────────────────
+
+
+def test_masked_entropy_closed_form_over_unmasked_positions_only():
+    # Row 0: uniform over 4 → ln 4; [1/4, 3/4, 0, 0] (two -inf logits) → ln 4 - (3/4) ln 3;
+    # one certain token → 0. Row 1 is padding holding garbage (nan, inf): masked, never read.
+    third = [0.0, math.log(3.0), -math.inf, -math.inf]
+    logits = torch.tensor([[[0.0] * 4, third, [0.0, 200.0, 0.0, 0.0]],
+                           [[math.nan] * 4, [math.inf, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]]])
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    h_third = math.log(4.0) - 0.75 * math.log(3.0)
+    assert masked_entropy(logits, mask) == pytest.approx((math.log(4.0) + h_third) / 3, rel=1e-6)
+    # one position at a time, any chunk size: the same values
+    only = torch.tensor([[0, 1, 0], [0, 0, 0]])
+    assert masked_entropy(logits, only, chunk_size=1) == pytest.approx(h_third, rel=1e-6)
+    # temperature τ: the entropy of softmax(z / τ); τ → large flattens towards ln 4
+    z = torch.tensor([[[0.0, math.log(3.0) * 2, -10.0, -10.0]]])
+    assert masked_entropy(z, torch.ones(1, 1), temperature=2.0) == pytest.approx(
+        masked_entropy(z / 2, torch.ones(1, 1)), rel=1e-6)
+    assert masked_entropy(z, torch.ones(1, 1), temperature=1e4) == pytest.approx(math.log(4),
+                                                                                   rel=1e-3)
+    assert masked_entropy(logits, torch.zeros(2, 3)) == 0.0  # nothing unmasked
+
+
+def test_masked_entropy_bf16_matches_float64_and_takes_no_gradient():
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 5, 50, generator=gen)).requires_grad_()
+    mask = torch.rand(3, 5, generator=gen) > 0.4
+    p = torch.softmax(logits.detach().double(), -1)
+    per_token = -(p * p.log()).sum(-1)
+    expected = float(per_token[mask].mean())
+    assert masked_entropy(logits, mask, chunk_size=4) == pytest.approx(expected, rel=1e-5)
+    assert masked_entropy(logits.detach().bfloat16(), mask) == pytest.approx(expected, rel=2e-2)
+    assert logits.grad is None and isinstance(masked_entropy(logits, mask), float)
+    with pytest.raises(ValueError, match="mask"):
+        masked_entropy(logits, mask[:, :4])

@@ -15,7 +15,8 @@ from grpo_nb.metrics import MetricsRecorder  # noqa: E402
 def fake_run(rec: MetricsRecorder, steps: int = 20) -> None:
     for i in range(steps):
         rec.log("step", step=i + 1, reward=i / steps, expected_reward=i / steps, loss=0.1, kl=0.01 * i,
-                clip_frac=0.0, staleness=[i % 3, 0], queue_depth=1)
+                clip_frac=0.0, staleness=[i % 3, 0], queue_depth=1, entropy=1.4 - i / steps,
+                zero_std_frac=0.5)
         rec.log("busy", actor="trainer", label="train", start=i * 0.1, end=i * 0.1 + 0.05)
         rec.log("busy", actor="gen0", label="generate", start=i * 0.1, end=i * 0.1 + 0.09)
 
@@ -27,8 +28,12 @@ def test_toy_figure_has_the_four_panels() -> None:
     titles = [ax.get_title() for ax in fig.axes]
     assert titles[0] == "reward" and titles[1].startswith("KL")
     assert titles[2].startswith("staleness") and titles[3].startswith("who was busy")
-    reward_ax, _, stale_ax, timeline_ax = fig.axes
+    reward_ax, kl_ax, stale_ax, timeline_ax = fig.axes
     assert any(line.get_ydata()[0] == 1.0 for line in reward_ax.get_lines()), "optimum line"
+    assert "groups with no signal" in [t.get_text() for t in reward_ax.get_legend().get_texts()]
+    kl_legend = [t.get_text() for t in kl_ax.get_legend().get_texts()]
+    assert kl_legend == ["KL to reference", "policy entropy"]
+    assert kl_ax.get_lines()[1].get_ydata()[0] == 1.4  # the entropy of step 1
     assert sum(p.get_height() for p in stale_ax.patches) == 40  # 20 steps x 2 samples
     assert [t.get_text() for t in timeline_ax.get_yticklabels()] == ["gen0", "trainer"]
 

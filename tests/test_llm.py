@@ -126,6 +126,51 @@ def test_trainer_step_moves_probability_towards_rewarded_completion(random_model
     assert row["step"] == 3 and row["reward"] == 0.5 and row["grad_norm"] > 0
 
 
+def test_step_row_reports_entropy_truncation_and_groups_without_signal(random_model_dir) -> None:
+    """The practitioner's diagnostics in the step row: the entropy of the distributions the
+    completion tokens were drawn from (at the sampling temperature, prompt and padding left
+    out, a token-mean over micro-batches whatever loss_agg weighs), the fraction cut at
+    max_tokens, the fraction of groups with all rewards equal, the mean completion length."""
+    from grpo_nb.llm.trainer import next_token_logits
+    from grpo_nb.tiny_model import load_hf
+
+    model, tok = load_hf(random_model_dir)
+    cfg = LLMConfig(prompts_per_step=2, group_size=2, grad_accum=2, temperature=0.7,
+                    loss_agg="seq-mean-token-mean")
+    pt = PolicyTrainer(model, tok, cfg)
+    mixed = _group([3, 4, 5], [[6, 7, 1], [8, 9, 10, 11]], [1.0, 0.0])
+    mixed.rollouts[1].finish_reason = "length"  # cut at max_tokens
+    flat = _group([3, 4], [[6, 1], [7, 1]], [0.0, 0.0])  # no signal: zero advantages
+    b = make_batch([mixed, flat], tok.pad_token_id)
+    with torch.no_grad():  # float64 entropy of softmax(logits / T) before the step's update
+        p = torch.softmax(next_token_logits(model, b.input_ids, b.attention_mask).double()
+                          / 0.7, -1)
+    per_token = -(p * p.log()).sum(-1)
+    completion, real = b.loss_mask.bool(), b.attention_mask[:, 1:].bool()
+    row = pt.step([mixed, flat])
+    assert row["entropy"] == pytest.approx(float(per_token[completion].mean()), rel=1e-5)
+    assert row["entropy"] != pytest.approx(float(per_token[real].mean()), rel=1e-4)
+    assert row["truncated_frac"] == 0.25 and row["response_len"] == (3 + 4 + 2 + 2) / 4
+    assert row["zero_std_groups"] == 1 and row["zero_std_frac"] == 0.5
+
+
+def test_summary_reports_entropy_at_both_ends_and_the_diagnostics_means() -> None:
+    from grpo_nb.llm.summary import summarize
+    from grpo_nb.metrics import MetricsRecorder
+
+    rec = MetricsRecorder()
+    for step, (entropy, flat, cut, length) in enumerate([(2.5, 0.0, 0.5, 10.0),
+                                                         (1.0, 0.5, 0.25, 20.0),
+                                                         (0.1, 1.0, 0.0, 30.0)], 1):
+        rec.log("step", step=step, entropy=entropy, zero_std_frac=flat, truncated_frac=cut,
+                response_len=length)
+    r = summarize(rec, LLMConfig(), 1.0, 0)
+    assert (r.entropy_start, r.entropy_end) == (2.5, 0.1)
+    assert (r.zero_std_frac_mean, r.truncated_frac_mean, r.response_len_mean) == (0.5, 0.25, 20.0)
+    empty = summarize(MetricsRecorder(), LLMConfig(), 1.0, 0)  # no step: unknown, not 0
+    assert math.isnan(empty.entropy_start) and math.isnan(empty.truncated_frac_mean)
+
+
 def test_checkpoint_round_trip(random_model_dir, tmp_path: Path) -> None:
     from grpo_nb.tiny_model import load_hf
 
@@ -462,6 +507,14 @@ def test_async_and_sync_modes_run_verify_and_schedule_differently(
         assert 0.0 <= r.accuracy_after <= 1.0 and r.sync_ms_mean > 0
         rec = load_metrics(tmp_path / mode)
         assert [row["step"] for row in rec.rows("step")] == [1, 2, 3, 4]
+        for row in rec.rows("step"):  # the diagnostics: present, in range, consistent
+            assert 0 < row["entropy"] <= math.log(base.config.vocab_size), row
+            assert 0 <= row["truncated_frac"] <= 1 and row["response_len"] > 0, row
+            assert row["zero_std_frac"] == row["zero_std_groups"] / SMALL["prompts_per_step"]
+            if row["zero_std_frac"] == 1.0:  # no group with any signal: nothing to learn
+                assert row["grad_norm"] == 0.0, row
+        assert r.entropy_end == round(rec.rows("step")[-1]["entropy"], 4), r
+        assert 0 <= r.truncated_frac_mean <= 1 and r.response_len_mean > 0, r
         assert max(s for row in rec.rows("step") for s in row["staleness"]) <= 2
         assert (tmp_path / mode / "checkpoint" / "model.safetensors").is_file()
     assert _overlaps(load_metrics(tmp_path / "sync"), "generate", "train") == 0.0

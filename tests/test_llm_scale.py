@@ -419,9 +419,9 @@ def test_gpu_check_dry_run_trains_on_monarch_with_the_trainer_in_its_own_process
 
 
 def _requests_running(url: str) -> float:
-    import requests
+    import httpx
 
-    text = requests.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:num_requests_running"))
 
@@ -439,7 +439,7 @@ def test_syncs_land_on_a_tied_model_with_requests_in_flight(realistic, monkeypat
     import threading
     from dataclasses import replace
 
-    import requests
+    import httpx
     import torch
 
     from grpo_nb.llm.trainer import load_policy
@@ -474,8 +474,8 @@ def test_syncs_land_on_a_tied_model_with_requests_in_flight(realistic, monkeypat
         def sample() -> None:  # requests back to back, as the ring's generators send them
             while not stop.is_set():
                 sent = time.monotonic()
-                status = requests.post(f"{server.url}/v1/completions", json=body,
-                                       timeout=600).status_code
+                status = httpx.post(f"{server.url}/v1/completions", json=body,
+                                    timeout=600).status_code
                 spans.append((sent, time.monotonic(), status))
 
         samplers = [threading.Thread(target=sample) for _ in range(2)]

@@ -27,6 +27,28 @@ def test_sampling_config_validation():
         SamplingConfig(max_tokens=0)
     with pytest.raises(ValueError, match="adv_scale"):
         SamplingConfig(adv_scale="mean")
+    with pytest.raises(ValueError, match=r"SamplingConfig.reward='nope'.*unknown"):
+        SamplingConfig(reward="nope")
+
+
+def test_groups_are_scored_with_the_configured_reward(monkeypatch):
+    """``SamplingConfig.reward`` is a make_reward spec: here the answer plus a format bonus."""
+    from types import SimpleNamespace
+
+    from grpo_nb.serving.rollouts import generate_group
+
+    texts = iter(["7", "the sum is 7", "8"])
+
+    async def post(self, body):
+        return [SimpleNamespace(token_ids=[5], logprobs=[-1.0], text=next(texts),
+                                finish_reason="stop", latency_s=0.0)]
+
+    monkeypatch.setattr(CompletionsClient, "_post_with_retries", post)
+    client = CompletionsClient("http://127.0.0.1:9/v1", "m")
+    group = asyncio.run(generate_group(client, {"prompt": "q", "answer": "7"}, 3,
+                                       prompt_ids=[1], sampling=SamplingConfig(
+                                           reward="math+0.5*format")))
+    assert group.rewards == [1.5, 1.0, 0.5]
 
 
 def test_summarize_counts_correct_samples_and_mixed_groups():
@@ -51,10 +73,11 @@ def test_rows(tiny_model_dir):
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_groups_rewards_advantages_and_logprob_agreement(vllm_server, tiny_model_dir, test_rows):
-    from grpo_nb.tasks import reward
+    from grpo_nb.tasks import make_reward
     from grpo_nb.tiny_model import load_hf
 
     model, tok = load_hf(tiny_model_dir)
+    reward = make_reward("math")  # SamplingConfig.reward's default
 
     async def go():
         async with CompletionsClient.for_server(vllm_server, ClientConfig(max_in_flight=16)) as c:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -127,35 +128,47 @@ def test_unreachable_server_is_retried_then_counted():
 
 
 async def _with_stub_server(handler, body):
-    """Run ``body(client)`` against an in-process aiohttp server answering with ``handler``.
+    """Run ``body(client)`` against a loopback HTTP server (a thread per request) on which
+    ``handler(request_json, headers)`` answers each POST with ``(status, json_body)``.
 
-    vLLM does not answer 5xx or token-less choices on demand, so these two failure paths are
+    vLLM does not answer 5xx or token-less choices on demand, so these failure paths are
     exercised against a small real HTTP server instead.
     """
-    from aiohttp import web
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            status, answer = handler(request, self.headers)
+            data = json.dumps(answer).encode()
+            with contextlib.suppress(OSError):  # the client timed out and left
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
     try:
-        async with CompletionsClient(f"http://127.0.0.1:{port}/v1", "m",
+        async with CompletionsClient(f"http://127.0.0.1:{httpd.server_address[1]}/v1", "m",
                                      ClientConfig(retries=1, backoff_s=0.01)) as client:
             return await body(client)
     finally:
-        await runner.cleanup()
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_http_5xx_is_raised_and_counted_not_retried():
-    from aiohttp import web
-
     calls = []
 
-    async def handler(request):
-        calls.append(await request.json())
-        return web.Response(status=503, text="engine dead")
+    def handler(request, headers):
+        calls.append(request)
+        return 503, "engine dead"
 
     async def body(client):
         with pytest.raises(CompletionError, match="HTTP 503.*engine dead") as info:
@@ -169,8 +182,6 @@ def test_http_5xx_is_raised_and_counted_not_retried():
 
 
 def test_empty_and_misaligned_completions_are_counted():
-    from aiohttp import web
-
     answers = iter([
         {"choices": [{"text": "", "token_ids": [], "logprobs": {"token_logprobs": []},
                       "finish_reason": "length"}]},
@@ -179,8 +190,8 @@ def test_empty_and_misaligned_completions_are_counted():
         {"choices": []},
     ])
 
-    async def handler(request):
-        return web.json_response(next(answers))
+    def handler(request, headers):
+        return 200, next(answers)
 
     async def body(client):
         kinds = []
@@ -197,15 +208,14 @@ def test_empty_and_misaligned_completions_are_counted():
 
 def test_aborted_choices_are_returned_not_raised():
     """/pause?mode=abort ends requests with finish_reason="abort", sometimes with no token."""
-    from aiohttp import web
 
-    async def handler(request):
-        return web.json_response({"choices": [
+    def handler(request, headers):
+        return 200, {"choices": [
             {"text": "", "token_ids": [], "logprobs": None, "finish_reason": "abort"},
             {"text": "1", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -0.7]},
              "finish_reason": "abort"},
             {"text": "12", "token_ids": [5, 7], "logprobs": {"token_logprobs": [-0.1, -0.2]},
-             "finish_reason": "stop"}]})
+             "finish_reason": "stop"}]}
 
     async def body(client):
         return await client.complete([1], max_tokens=4, n=3), client.stats
@@ -218,16 +228,13 @@ def test_aborted_choices_are_returned_not_raised():
 
 
 def test_a_4xx_fails_only_its_own_request_with_its_status():
-    from aiohttp import web
-
-    async def handler(request):
-        prompt = (await request.json())["prompt"]
+    def handler(request, headers):
+        prompt = request["prompt"]
         if prompt == [0]:
-            return web.json_response({"error": "prompt too long"}, status=400)
-        await asyncio.sleep(0.2)  # the others are still in flight when the 400 comes back
-        return web.json_response({"choices": [{"text": "x", "token_ids": prompt,
-                                               "logprobs": {"token_logprobs": [-1.0]},
-                                               "finish_reason": "length"}]})
+            return 400, {"error": "prompt too long"}
+        time.sleep(0.2)  # the others are still in flight when the 400 comes back
+        return 200, {"choices": [{"text": "x", "token_ids": prompt, "finish_reason": "length",
+                                  "logprobs": {"token_logprobs": [-1.0]}}]}
 
     async def body(client):
         results = await asyncio.gather(*[client.complete([i]) for i in range(4)],
@@ -242,15 +249,13 @@ def test_a_4xx_fails_only_its_own_request_with_its_status():
 
 
 def test_every_request_carries_the_api_key(monkeypatch):
-    from aiohttp import web
-
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     seen = []
 
-    async def handler(request):
-        seen.append(request.headers.get("Authorization"))
-        return web.json_response({"choices": [{"text": "x", "token_ids": [1], "finish_reason":
-                                               "stop", "logprobs": {"token_logprobs": [-1.0]}}]})
+    def handler(request, headers):
+        seen.append(headers.get("Authorization"))
+        return 200, {"choices": [{"text": "x", "token_ids": [1], "finish_reason": "stop",
+                                  "logprobs": {"token_logprobs": [-1.0]}}]}
 
     async def body(client):
         await client.complete([1])
@@ -269,11 +274,9 @@ def test_every_request_carries_the_api_key(monkeypatch):
 
 
 def test_slow_server_times_out_and_is_counted():
-    from aiohttp import web
-
-    async def handler(request):
-        await asyncio.sleep(1.5)
-        return web.json_response({})
+    def handler(request, headers):
+        time.sleep(1.5)
+        return 200, {}
 
     async def body(client):
         client.cfg.timeout_s = 0.3

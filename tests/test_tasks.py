@@ -10,7 +10,7 @@ import datasets
 import pytest
 
 from grpo_nb import tasks
-from grpo_nb.tasks import ArithmeticTaskConfig, extract_answer, make_dataset, reward
+from grpo_nb.tasks import ArithmeticTaskConfig, extract_answer, make_dataset, make_reward
 
 
 def test_dataset_splits_are_disjoint_correct_and_seeded():
@@ -55,17 +55,19 @@ def test_extract_answer(text, expected):
 
 
 def test_reward_exact_numeric_and_format():
+    reward, bonus = make_reward("math"), make_reward("math+0.1*format")
     assert reward("0009", "0009") == 1.0
     assert reward("9", "0009") == 1.0  # numeric equality, not string equality
     assert reward("0008", "0009") == 0.0
     assert reward("0009 12", "0009") == 0.0  # kept talking: the last number is what counts
     assert reward("", "0009") == 0.0
-    assert reward("0008", "0009", format_weight=0.1) == pytest.approx(0.1)
-    assert reward("0009", "0009", format_weight=0.1) == pytest.approx(1.1)
-    assert reward("the sum is 9", "0009", format_weight=0.1) == pytest.approx(1.0)
+    assert bonus("0008", "0009") == pytest.approx(0.1)
+    assert bonus("0009", "0009") == pytest.approx(1.1)
+    assert bonus("the sum is 9", "0009") == pytest.approx(1.0)
 
 
 def test_reward_uses_math_verify_for_latex():
+    reward = make_reward("math")
     assert reward("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}") == 1.0
     assert reward("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
     assert reward("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}") == 0.0
@@ -81,7 +83,7 @@ def test_load_gsm8k_shape_from_jsonl(tmp_path):
     assert data[0]["prompt"].startswith("Tom has 3 apples")
     assert tasks.HUB_INSTRUCTION in data[0]["prompt"]
     assert data[0]["messages"] == [{"role": "user", "content": data[0]["prompt"]}]
-    assert reward("so \\boxed{1200}", data[1]["answer"]) == 1.0
+    assert make_reward("math")("so \\boxed{1200}", data[1]["answer"]) == 1.0
 
 
 def test_load_openr1_shape_from_parquet(tmp_path):
@@ -91,7 +93,7 @@ def test_load_openr1_shape_from_parquet(tmp_path):
     ]).to_parquet(str(path))
     data = tasks.load_hub_math(str(path), "train")
     assert data["answer"] == ["\\frac{1}{2}"]
-    assert reward("\\boxed{0.5}", data[0]["answer"]) == 1.0
+    assert make_reward("math")("\\boxed{0.5}", data[0]["answer"]) == 1.0
 
 
 def test_load_hub_math_rejects_unknown_shapes(tmp_path):

@@ -61,12 +61,13 @@ def test_warm_started_model_is_partly_right(tiny_model_dir):
     assert model.config.model_type == "qwen3"
     assert 0.15 <= meta["test_accuracy"] <= 0.65, meta["test_accuracy"]
     # Greedy decoding with transformers' own generate() agrees with the stored accuracy.
-    from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset, reward
+    from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset, make_reward
 
     rows = make_dataset(ArithmeticTaskConfig(**meta["config"]["task"]))["test"].select(range(200))
     enc = tok(list(rows["prompt"]), return_tensors="pt", add_special_tokens=False)
     out = model.generate(**enc, max_new_tokens=6, do_sample=False,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    reward = make_reward("math")
     acc = sum(reward(t, a) for t, a in zip(texts, rows["answer"], strict=True)) / len(rows)
     assert abs(acc - meta["test_accuracy"]) < 0.12, (acc, meta["test_accuracy"])

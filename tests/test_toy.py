@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -42,6 +43,12 @@ def test_ring_learns_towards_the_optimum(seed: int) -> None:
     for key in ("reward", "loss", "kl", "clip_frac", "staleness", "queue_depth"):
         assert key in row
     assert len(row["staleness"]) == cfg.groups_per_step and min(row["staleness"]) >= 0
+    # the diagnostics: entropy starts near the uniform policy's ln(arms) and falls as it
+    # learns; the fraction of groups with all rewards equal is that count over the groups
+    entropy = rec.series("step", "entropy")
+    assert math.log(cfg.arms) >= entropy[0] > 0.5 * math.log(cfg.arms) > entropy[-1] > 0, entropy
+    for r in rec.rows("step"):
+        assert r["zero_std_frac"] == r["zero_std_groups"] / cfg.groups_per_step
     actors = {r["actor"] for r in rec.rows("busy")}
     assert {"gen0", "gen3", "scorer", "reference", "trainer"} <= actors
 

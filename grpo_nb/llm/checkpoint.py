@@ -9,8 +9,7 @@
 A crash before the last rename leaves ``checkpoint`` pointing at the previous complete
 folder; a crash after it leaves the new one. The old folder is never removed before the
 new one is linked, so there is always one loadable checkpoint (:func:`resolve` also finds
-the newest complete folder if the link itself is missing, e.g. a run of an older version that
-kept ``checkpoint`` as a plain folder and crashed while being migrated).
+the newest complete folder beside a missing link, e.g. in a copy that did not keep links).
 """
 
 from __future__ import annotations
@@ -60,8 +59,6 @@ def save(folder: Path | str, model: Any, tokenizer: Any, optimizer: Any,
     _fsync_tree(tmp)
     final = link.parent / name
     tmp.rename(final)
-    if link.exists() and not link.is_symlink():  # a plain folder from an older version
-        link.rename(link.parent / f"ckpt-legacy-{uuid.uuid4().hex[:6]}")
     staged = link.parent / f"{link.name}.tmp-link"
     with contextlib.suppress(FileNotFoundError):
         staged.unlink()

@@ -145,7 +145,7 @@ def predict(sync_run: StepPhases, *, paused: bool = True) -> Prediction:
 
 
 def run_pause_mode(run_dir: str | Path) -> str:
-    """The pause mode a run's syncs used (its ``config.json``; older runs: ``"keep"``)."""
+    """The pause mode a run's syncs used (its ``config.json``; ``"keep"`` if it names none)."""
     config = json.loads((Path(run_dir) / "config.json").read_text())
     return str(config.get("sync", {}).get("pause_mode", "keep"))
 

@@ -34,12 +34,14 @@ def _xy(rows: list[dict[str, Any]], key: str, x: str = "t") -> tuple[list, list]
 
 def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
                window_s: float | None = 60.0) -> Figure:
-    """Eight panels: reward & accuracy, KL & clip, length, tokens/s, staleness, sync, timeline."""
+    """Nine panels: reward & accuracy, KL & clip, entropy, length, tokens/s, staleness, sync,
+    groups without signal & truncation, timeline."""
     if fig is None:
-        fig = plt.figure(figsize=(14, 9), layout="constrained")
+        fig = plt.figure(figsize=(16, 9), layout="constrained")
     fig.clear()
-    axes = fig.subplot_mosaic([["reward", "kl", "len"], ["tps", "stale", "sync"],
-                               ["timeline", "timeline", "timeline"]])
+    axes = fig.subplot_mosaic([["reward", "kl", "entropy", "len"],
+                               ["tps", "stale", "sync", "signal"],
+                               ["timeline"] * 4])
     steps, evals, syncs = rec.rows("step"), rec.rows("eval"), rec.rows("sync")
     ax = axes["reward"]
     plot_series(ax, *_xy(steps, "reward"), label="train reward", smooth=10, color="tab:blue")
@@ -52,9 +54,19 @@ def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
     plot_series(ax, *_xy(steps, "kl"), label="KL to reference", color="tab:purple")
     ax.set(title="clip fraction and KL", xlabel="time (s)")
     legend_if_any(ax, fontsize=8)
+    ax = axes["entropy"]  # towards 0: the policy stops exploring (collapse)
+    plot_series(ax, *_xy(steps, "entropy"), color="tab:purple", smooth=5)
+    ax.set(title="policy entropy (nats / token)", xlabel="time (s)")
     ax = axes["len"]
     plot_series(ax, *_xy(steps, "response_len"), color="tab:orange", smooth=5)
     ax.set(title="mean response length (tokens)", xlabel="time (s)")
+    ax = axes["signal"]
+    plot_series(ax, *_xy(steps, "zero_std_frac"), label="groups, all rewards equal",
+                color="tab:gray", smooth=5)
+    plot_series(ax, *_xy(steps, "truncated_frac"), label="completions cut at max_tokens",
+                color="tab:red", smooth=5)
+    ax.set(title="no gradient / truncated (fraction)", xlabel="time (s)", ylim=(-0.02, 1.02))
+    legend_if_any(ax, fontsize=8)
     ax = axes["tps"]
     busy = rec.rows("busy")
     gen_tok = [(r["t"], r["tokens"] / max(r["train_s"], 1e-9)) for r in steps
@@ -120,7 +132,7 @@ class LiveDashboard:
                                          icon="stop")
             self.button.on_click(lambda _b: self.stop.set())
             display(self.button)
-        self.fig = plt.figure(figsize=(14, 9), layout="constrained")
+        self.fig = plt.figure(figsize=(16, 9), layout="constrained")
         plt.close(self.fig)  # shown through the handle only, not again at the cell's end
         self.handle = display(self.fig, display_id=True)
 

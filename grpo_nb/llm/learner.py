@@ -194,7 +194,7 @@ class Trainer(Sink):
             self.pt.last_verified = res.version
         self.busy.add("sync", start)
         self.report("sync", step=self.pt.step_count, version=res.version, ms=res.ms,
-                    bytes=res.bytes, verified=res.verified, gap=self.syncer.last_gap,
+                    bytes=res.bytes, verified=res.verified,
                     phases={k: round(v, 2) for k, v in res.phases.items()})
 
     async def _eval(self) -> None:

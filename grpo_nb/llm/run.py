@@ -23,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -39,6 +37,7 @@ from grpo_nb.llm.data import RingSpec, TaskData, load_data
 from grpo_nb.llm.summary import RunResult, summarize
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.ring import Controller, Event, RingError
+from grpo_nb.serving.processes import wait_exit
 
 __all__ = ["RunAborted", "RunResult", "ServerWatch", "run_ring", "server_for", "start_server",
            "train", "trainer_cores"]
@@ -49,8 +48,8 @@ class RunAborted(RingError):
 
 
 class ServerWatch:
-    """``exited`` resolves the moment the server's process ends, without polling: a pidfd
-    becomes readable then (Linux); elsewhere a daemon thread waits on the process.
+    """``exited`` resolves the moment the server's process ends, without polling
+    (:func:`grpo_nb.serving.processes.wait_exit`).
 
     A server this process did not start (``proc is None``) cannot be watched; its failed
     requests still end the run.
@@ -58,37 +57,13 @@ class ServerWatch:
 
     def __init__(self, server: Any) -> None:
         self.server = server
-        self.loop = asyncio.get_running_loop()
-        self.exited: asyncio.Future[None] = self.loop.create_future()
-        self.fd: int | None = None
         proc = getattr(server, "proc", None)
-        if proc is None:
-            return
-        if not hasattr(os, "pidfd_open"):
-            threading.Thread(target=self._wait_in_thread, args=(proc,), daemon=True).start()
-            return
-        try:
-            self.fd = os.pidfd_open(proc.pid)
-        except ProcessLookupError:  # already gone (and reaped)
-            self._exited()
-            return
-        self.loop.add_reader(self.fd, self._exited)
-
-    def _wait_in_thread(self, proc: Any) -> None:
-        proc.wait()
-        with contextlib.suppress(RuntimeError):  # the loop closed first: nobody is listening
-            self.loop.call_soon_threadsafe(self._exited)
-
-    def _exited(self) -> None:
-        self.close()
-        if not self.exited.done():
-            self.exited.set_result(None)
+        self.exited: asyncio.Future[Any] = (
+            asyncio.ensure_future(wait_exit(proc)) if proc is not None
+            else asyncio.get_running_loop().create_future())
 
     def close(self) -> None:
-        if self.fd is not None:
-            self.loop.remove_reader(self.fd)
-            os.close(self.fd)
-            self.fd = None
+        self.exited.cancel()
 
     def describe(self) -> str:
         proc = getattr(self.server, "proc", None)

@@ -29,8 +29,14 @@ class RunResult:
     ``step_changed_frac``: the fraction of the trainer's (float32 master) parameter elements
     each step's last optimiser update changed, averaged over steps — near 1 when training
     moves the weights; a run whose updates round away (bf16 parameters at a small lr) shows
-    ≈ 0 here. ``defaults``: the settings chosen for this model family rather than by the
-    caller, each with why (:attr:`LLMConfig.defaults`, and the chat template's arguments).
+    ≈ 0 here. Diagnostics (notebook 03, section 8): ``entropy_start`` / ``entropy_end`` (the
+    first and last step's policy entropy, nats per completion token: near 0 while the reward
+    is still low, the policy stopped exploring), and averaged over steps
+    ``zero_std_frac_mean`` (groups whose rewards were all equal: no gradient),
+    ``truncated_frac_mean`` (completions cut at ``max_tokens``: they score 0) and
+    ``response_len_mean`` (tokens). ``defaults``: the settings chosen for this model family
+    rather than by the caller, each with why (:attr:`LLMConfig.defaults`, and the chat
+    template's arguments).
     """
 
     steps: int
@@ -50,6 +56,11 @@ class RunResult:
     failed_requests: int = 0
     aborted_groups: int = 0
     step_changed_frac: float = math.nan
+    entropy_start: float = math.nan
+    entropy_end: float = math.nan
+    zero_std_frac_mean: float = math.nan
+    truncated_frac_mean: float = math.nan
+    response_len_mean: float = math.nan
     defaults: dict[str, str] = field(default_factory=dict)
 
 
@@ -79,6 +90,11 @@ def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int)
         failed_requests=len(rec.rows("request_failed")),
         aborted_groups=len(rec.rows("aborted")),
         step_changed_frac=_mean(r.get("step_changed_frac") for r in steps),
+        entropy_start=_mean(r.get("entropy") for r in steps[:1]),
+        entropy_end=_mean(r.get("entropy") for r in steps[-1:]),
+        zero_std_frac_mean=_mean(r.get("zero_std_frac") for r in steps),
+        truncated_frac_mean=_mean(r.get("truncated_frac") for r in steps),
+        response_len_mean=_mean(r.get("response_len") for r in steps),
         defaults=_defaults(rec, cfg),
     )
 

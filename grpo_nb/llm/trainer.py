@@ -7,6 +7,7 @@ The ring's Trainer actor owns one :class:`PolicyTrainer` and calls it from a wor
                                                   logprobs, advantages   (pad_sequence)
           ──► step(): num_iterations times (GRPO's μ): for each of grad_accum micro-batches:
                   logits (autocast) ─► grpo.token_logprobs ─► grpo.policy_loss ─► backward
+                         └─► grpo.masked_entropy (no grad: a diagnostic)
               clip_grad_norm_ ─► AdamW.step ─► metrics (of the last update)
     load_policy(dir, device, dtype) ─► model (gradient checkpointing on GPU) + tokenizer
     (held-out accuracy is sampled through the server: grpo_nb.llm.evaluate)
@@ -83,11 +84,17 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
                  torch.tensor(adv, dtype=torch.float32))
 
 
+def next_token_logits(model: Any, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, L-1, V]``: the logits at each position, which predict the token after it."""
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+
+
 def sequence_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       temperature: float) -> torch.Tensor:
     """``[B, L-1]`` log-prob of each next token under ``model`` (gradients flow)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    return grpo.token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    return grpo.token_logprobs(next_token_logits(model, input_ids, attention_mask),
+                               input_ids[:, 1:], temperature)
 
 
 def load_policy(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
@@ -199,6 +206,14 @@ class PolicyTrainer:
         sync would push, stay as they were, ``step_count`` is unchanged, the row says
         ``skipped`` with the reason and :attr:`skipped` counts it. Otherwise the step stands
         with the updates made (the row's ``updates``).
+
+        What the row tells a practitioner, besides the loss's own metrics: ``entropy`` (nats,
+        token-mean over completion tokens of the policy's next-token distribution at
+        ``temperature``, from the last update's forward pass: falling towards 0 means the policy
+        stops exploring), ``truncated_frac`` (completions cut at ``max_tokens``, finish reason
+        ``"length"``: they score 0), ``zero_std_groups`` / ``zero_std_frac`` (groups whose
+        rewards are all equal: zero advantages, no gradient) and ``response_len`` (mean
+        completion length, tokens).
         """
         cfg = self.cfg
         per_micro = max(1, len(groups) // cfg.grad_accum)
@@ -227,7 +242,8 @@ class PolicyTrainer:
             changed = self.last_changed
         self.step_count += 1
         rewards = torch.tensor([r for g in groups for r in g.rewards])
-        lengths = [len(r.completion_ids) for g in groups for r in g.rollouts]
+        rollouts = [r for g in groups for r in g.rollouts]
+        lengths = [len(r.completion_ids) for r in rollouts]
         return {
             "step": self.step_count, "loss": sums.get("loss", 0.0), "kl": sums.get("kl", 0.0),
             "clip_frac": sums.get("clip_frac_low", 0.0) + sums.get("clip_frac_high", 0.0),
@@ -236,7 +252,11 @@ class PolicyTrainer:
             "updates": done, "step_changed_frac": changed[0], "sent_changed_frac": changed[1],
             "reward": float(rewards.mean()), "tokens": int(sum(lengths)),
             "response_len": sum(lengths) / max(len(lengths), 1),
+            "entropy": sums.get("entropy", math.nan),
+            "truncated_frac": sum(r.finish_reason == "length" for r in rollouts)
+            / max(len(rollouts), 1),
             "zero_std_groups": grpo.zero_std_groups(rewards, cfg.group_size),
+            "zero_std_frac": grpo.zero_std_fraction(rewards, cfg.group_size),
             "skipped_steps": self.skipped,
         }
 
@@ -245,6 +265,7 @@ class PolicyTrainer:
         """One optimiser update over every micro-batch: (why it was skipped, metrics, norm)."""
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
+        tokens = [float(b.loss_mask.sum()) for b in batches]
         for i, (b, weight) in enumerate(zip(batches, weights, strict=True)):
             loss, metrics = self._micro_loss(b, olds, i)
             if not torch.isfinite(loss):
@@ -252,7 +273,9 @@ class PolicyTrainer:
                 return f"loss={float(loss.detach())}", sums, math.nan
             (loss * weight).backward()
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + weight * v
+                # entropy is a token-mean whatever loss_agg weighs the loss by
+                w = tokens[i] / max(sum(tokens), 1.0) if k == "entropy" else weight
+                sums[k] = sums.get(k, 0.0) + w * v
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                          self.cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
@@ -268,7 +291,10 @@ class PolicyTrainer:
         cfg, dev = self.cfg, self.device
         ids, attn, mask = b.input_ids.to(dev), b.attention_mask.to(dev), b.loss_mask.to(dev)
         with self.autocast():  # the backward follows the forward's dtypes
-            logp = sequence_logprobs(self.model, ids, attn, cfg.temperature)
+            logits = next_token_logits(self.model, ids, attn)
+            logp = grpo.token_logprobs(logits, ids[:, 1:], cfg.temperature)
+        # From the same logits, no gradient, float32 over the completion tokens only.
+        entropy = grpo.masked_entropy(logits, mask, cfg.temperature)
         sampler = b.sampler_logprobs.to(dev)
         extra: dict[str, Any] = {}
         if cfg.ratio_against == "sampler":
@@ -280,11 +306,12 @@ class PolicyTrainer:
             if cfg.tis_cap is not None:
                 extra = {"sampler_logprobs": sampler, "tis_cap": cfg.tis_cap}
         ref = b.ref_logprobs.to(dev) if b.ref_logprobs is not None and cfg.kl_coef else None
-        return grpo.policy_loss(logp, old, b.advantages.to(dev), mask, clip_low=cfg.clip_low,
-                                clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
-                                max_tokens=cfg.max_tokens, dual_clip=cfg.dual_clip,
-                                ref_logprobs=ref, kl_coef=cfg.kl_coef if ref is not None else 0.0,
-                                **extra)
+        loss, metrics = grpo.policy_loss(
+            logp, old, b.advantages.to(dev), mask, clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high, loss_agg=cfg.loss_agg, max_tokens=cfg.max_tokens,
+            dual_clip=cfg.dual_clip, ref_logprobs=ref,
+            kl_coef=cfg.kl_coef if ref is not None else 0.0, **extra)
+        return loss, {**metrics, "entropy": entropy}
 
     # ── checkpoints (grpo_nb.llm.checkpoint: written aside, switched atomically) ──
 

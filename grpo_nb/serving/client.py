@@ -4,7 +4,7 @@ Rollouts need the *exact* tokens the sampler produced and their log-probabilitie
 importance ratio divides by them), so the client sends token-id prompts and asks vLLM for
 ``return_token_ids`` and ``logprobs``. It never loses a request quietly::
 
-    complete(prompt_ids) ──► semaphore (≤ max_in_flight) ──► aiohttp POST /v1/completions
+    complete(prompt_ids) ──► semaphore (≤ max_in_flight) ──► httpx POST /v1/completions
                                                                │
          connection error ──► retry with backoff (≤ retries) ─┤
          timeout / 4xx / 5xx / empty ──► counted in ClientStats, raised as CompletionError
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+import httpx
 
 from grpo_nb.metrics import MetricsRecorder
 
@@ -136,7 +136,7 @@ class CompletionsClient:
         self.recorder = recorder
         self.stats = ClientStats()
         self._sem = asyncio.Semaphore(self.cfg.max_in_flight)
-        self._session: aiohttp.ClientSession | None = None
+        self._http: httpx.AsyncClient | None = None
         self.in_flight = 0
 
     @classmethod
@@ -144,18 +144,19 @@ class CompletionsClient:
                    ) -> CompletionsClient:
         return cls(server.base_url, server.model_name, cfg, api_key=server.api_key, **kw)
 
-    def _session_(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None or self._http.is_closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            # The semaphore is the limit that matters; the connector must not be a tighter one.
-            conn = aiohttp.TCPConnector(limit=self.cfg.max_in_flight + 4)
-            self._session = aiohttp.ClientSession(headers=headers, connector=conn)
-        return self._session
+            # The semaphore is the limit that matters; the pool must not be a tighter one.
+            # No httpx timeout: ClientConfig.timeout_s bounds each attempt as a whole.
+            limits = httpx.Limits(max_connections=self.cfg.max_in_flight + 4)
+            self._http = httpx.AsyncClient(headers=headers, limits=limits, timeout=None)
+        return self._http
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     async def __aenter__(self) -> CompletionsClient:
         return self
@@ -195,20 +196,13 @@ class CompletionsClient:
 
     async def _post_with_retries(self, body: dict[str, Any]) -> list[Completion]:
         url = f"{self.base_url}/completions"
-        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
         for attempt in range(self.cfg.retries + 1):
             t0 = time.perf_counter()
             try:
-                async with self._session_().post(url, json=body, timeout=timeout) as resp:
-                    if resp.status >= 400:
-                        text = await resp.text()
-                        kind = "http_4xx" if resp.status < 500 else "http_5xx"
-                        raise self._fail(kind, f"HTTP {resp.status} from {url}: {text[:500]}",
-                                         resp.status)
-                    payload = await resp.json()
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
-                if isinstance(err, aiohttp.ServerTimeoutError):
-                    raise self._fail("timeouts", f"timed out: {err}") from err
+                async with asyncio.timeout(self.cfg.timeout_s):
+                    resp = await self._client().post(url, json=body)
+            # No connection, or one closed before the whole answer came: worth another try.
+            except (httpx.NetworkError, httpx.RemoteProtocolError) as err:
                 if attempt < self.cfg.retries:
                     self.stats.retries += 1
                     await asyncio.sleep(self.cfg.backoff_s * 2**attempt)
@@ -219,7 +213,11 @@ class CompletionsClient:
             except TimeoutError as err:
                 raise self._fail("timeouts", f"no answer within {self.cfg.timeout_s} s "
                                  f"(ClientConfig.timeout_s) from {url}") from err
-            return self._parse(payload, time.perf_counter() - t0)
+            if resp.status_code >= 400:
+                kind = "http_4xx" if resp.status_code < 500 else "http_5xx"
+                raise self._fail(kind, f"HTTP {resp.status_code} from {url}: {resp.text[:500]}",
+                                 resp.status_code)
+            return self._parse(resp.json(), time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
     def _parse(self, payload: dict[str, Any], latency: float) -> list[Completion]:

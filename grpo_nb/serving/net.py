@@ -2,14 +2,29 @@
 
 A port bound to ``0.0.0.0`` is reachable from the whole network; vLLM's weight routes and the
 gloo store trust whoever connects, so nothing of ours listens anywhere but loopback.
+
+Synchronous HTTP to a server goes through :func:`http` (``httpx``); the rollouts' async client
+is ``httpx.AsyncClient`` too (:mod:`grpo_nb.serving.client`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
+
+import httpx
 
 LOOPBACK = "127.0.0.1"
+_LOCAL = threading.local()
+
+
+def http() -> httpx.Client:
+    """This thread's ``httpx.Client``: connections kept alive, one pool per thread (a sync
+    calls from two)."""
+    if getattr(_LOCAL, "client", None) is None:
+        _LOCAL.client = httpx.Client()
+    return _LOCAL.client
 
 
 def is_loopback(host: str) -> bool:

@@ -7,13 +7,16 @@ Every process of a server we start inherits two environment variables, readable 
     GRPO_NB_OWNER_PID=<pid>     the Python process that started it (kernel, CLI, test)
 
 A server lives in its own session (so a Ctrl-C aimed at the notebook does not kill it half-way),
-which also means nothing ends it when its owner is SIGKILLed. Hence a watchdog: a tiny stdlib
+which also means nothing ends it when its owner is SIGKILLed. Hence a watchdog: a small
 process, child of the owner, that notices its parent changed (the owner died, however it died)
-and ends the server's whole tree::
+and ends the server's whole tree (:func:`watch_owner`)::
 
     owner ──spawn──► vLLM tree (own session, marked)
       └───spawn──► watchdog ── getppid() ≠ owner ──► SIGTERM group + marked, grace, SIGKILL
                        └────── server exited (pidfd readable) ──► exits quietly
+
+Processes are found by their marker and ended with psutil (:func:`marked_processes`,
+:func:`end_processes`), by the watchdog, ``VLLMServer.stop`` and ``doctor --reap`` alike.
 
 ``python -m grpo_nb doctor`` lists servers whose owner is gone (:func:`find_orphans`) and
 ``--reap`` ends them (:func:`reap`).
@@ -21,65 +24,27 @@ and ends the server's whole tree::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MARKER_ENV = "GRPO_NB_SERVER_ID"
 OWNER_ENV = "GRPO_NB_OWNER_PID"
 
-# Stdlib only, so that it starts in ~30 ms and imports nothing that could fail.
-# Why getppid and not PR_SET_PDEATHSIG: the death signal follows the *thread* that spawned the
-# child, and servers are often started from asyncio.to_thread, whose threads come and go.
-WATCHDOG = r"""
-import os, select, signal, sys, time
-owner, leader, marker, grace = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-try:
-    fd = os.pidfd_open(leader)
-except (AttributeError, OSError):
-    fd = None
-while os.getppid() == owner:
-    if fd is not None and select.select([fd], [], [], 0.25)[0]:
-        sys.exit(0)
-    if fd is None:
-        time.sleep(0.25)
-
-def marked():
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    env = f.read().split(b"\0")
-            except OSError:
-                continue
-            if ("GRPO_NB_SERVER_ID=" + marker).encode() in env:
-                out.append(int(name))
-    return out
-
-def signal_all(sig):
-    try:
-        os.killpg(leader, sig)
-    except OSError:
-        pass
-    for pid in marked():
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-
-signal_all(signal.SIGTERM)
-deadline = time.monotonic() + grace
-while marked() and time.monotonic() < deadline:
-    time.sleep(0.2)
-signal_all(signal.SIGKILL)
-"""
+# The watchdog: a process of its own, running :func:`watch_owner`.
+WATCHDOG = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from grpo_nb.serving.processes import watch_owner; watch_owner(*sys.argv[2:])")
+_ROOT = str(Path(__file__).resolve().parents[2])  # where ``grpo_nb`` imports from
 
 
 def start_watchdog(leader_pid: int, server_id: str, grace_s: float = 4.0
@@ -87,9 +52,57 @@ def start_watchdog(leader_pid: int, server_id: str, grace_s: float = 4.0
     """Spawn the watchdog for a server whose process-group leader is ``leader_pid``."""
     env = {k: v for k, v in os.environ.items() if k not in (MARKER_ENV, OWNER_ENV)}
     return subprocess.Popen(
-        [sys.executable, "-c", WATCHDOG, str(os.getpid()), str(leader_pid), server_id,
+        [sys.executable, "-c", WATCHDOG, _ROOT, str(os.getpid()), str(leader_pid), server_id,
          str(grace_s)],
         env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def watch_owner(owner: str, leader: str, server_id: str, grace_s: str) -> None:
+    """The watchdog's body: return when the server exits; when the owner does (the parent
+    changes), end the server's tree as :meth:`VLLMServer.stop` does.
+
+    Why getppid and not PR_SET_PDEATHSIG: the death signal follows the *thread* that spawned
+    the child, and servers are often started from asyncio.to_thread, whose threads come and go.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        fd: int | None = os.pidfd_open(int(leader))
+    except ProcessLookupError:  # the server is gone already
+        return
+    except (AttributeError, OSError):  # no pidfd (not Linux): only the owner is watched
+        fd = None
+    while os.getppid() == int(owner):
+        if fd is None:
+            time.sleep(0.25)
+        elif select.select([fd], [], [], 0.25)[0]:
+            return
+    end_processes(marked_processes([server_id]), int(leader), float(grace_s))
+
+
+async def wait_exit(proc: subprocess.Popen[bytes]) -> int:
+    """Wait until ``proc`` exits, without polling (a pidfd in the event loop; where there is
+    none, a daemon thread waits); its exit code."""
+    loop, done = asyncio.get_running_loop(), asyncio.Event()
+    fd = None
+    try:
+        fd = os.pidfd_open(proc.pid)
+        loop.add_reader(fd, done.set)
+    except ProcessLookupError:  # already reaped
+        return proc.wait()
+    except (AttributeError, OSError):
+        def wait() -> None:
+            proc.wait()
+            with contextlib.suppress(RuntimeError):  # the loop closed first: nobody listens
+                loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(target=wait, daemon=True).start()
+    try:
+        await done.wait()
+    finally:
+        if fd is not None:
+            loop.remove_reader(fd)
+            os.close(fd)
+    return proc.wait()
 
 
 def marked_processes(server_ids: Iterable[str] | None = None) -> list[Any]:

@@ -37,20 +37,25 @@ import asyncio
 import atexit
 import contextlib
 import json
-import os
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from grpo_nb.config import runs_dir
 from grpo_nb.partition import exec_pinned
-from grpo_nb.serving.net import free_port, is_loopback
-from grpo_nb.serving.processes import MARKER_ENV, end_processes, marked_processes, start_watchdog
+from grpo_nb.serving.net import free_port, http, is_loopback
+from grpo_nb.serving.processes import (
+    MARKER_ENV,
+    end_processes,
+    marked_processes,
+    start_watchdog,
+    wait_exit,
+)
 from grpo_nb.serving.server_config import ServerConfig, env_api_key
 
 __all__ = ["ServerConfig", "ServerStartError", "VLLMServer", "find_server_processes",
@@ -82,14 +87,9 @@ def log_tail(path: Path | None, lines: int = 30, secret: str | None = None) -> s
 
 
 def _get(url: str, api_key: str | None, timeout: float = 2.0) -> tuple[int, str]:
-    req = urllib.request.Request(url)
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read().decode(errors="replace")
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode(errors="replace")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    resp = http().get(url, headers=headers, timeout=timeout)
+    return resp.status_code, resp.text
 
 
 class VLLMServer:
@@ -147,7 +147,7 @@ class VLLMServer:
             status, body = _get(f"{url}/v1/models", server.api_key, timeout)
             if status != 200:
                 raise ConnectionError(f"{url}/v1/models answered {status}: {body[:200]}")
-        except (OSError, urllib.error.URLError) as err:
+        except httpx.TransportError as err:
             raise ConnectionError(f"no vLLM server reachable at {url}: {err}") from err
         server.model_name = json.loads(body)["data"][0]["id"]
         return server
@@ -161,7 +161,7 @@ class VLLMServer:
     def healthy(self) -> bool:
         try:
             return _get(f"{self.url}/health", self.api_key, timeout=2.0)[0] == 200
-        except (OSError, urllib.error.URLError):
+        except httpx.TransportError:
             return False
 
     def log_tail(self, lines: int = 30) -> str:
@@ -259,24 +259,10 @@ class VLLMServer:
         return self
 
     async def wait_exited(self) -> int:
-        """Wait (without polling: a pidfd in the event loop) until the server exits; its code."""
-        proc = self.proc
-        if proc is None:
+        """Wait (without polling: :func:`processes.wait_exit`) until the server exits; its code."""
+        if self.proc is None:
             raise RuntimeError("wait_exited(): this server was not started by this process")
-        try:
-            fd = os.pidfd_open(proc.pid)
-        except ProcessLookupError:  # already reaped
-            return proc.wait()
-        except (AttributeError, OSError):  # no pidfd (not Linux): a thread waits instead
-            return await asyncio.to_thread(proc.wait)
-        loop, done = asyncio.get_running_loop(), asyncio.Event()
-        loop.add_reader(fd, done.set)
-        try:
-            await done.wait()
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
-        return proc.wait()
+        return await wait_exit(self.proc)
 
     def pids(self) -> list[int]:
         """Every process of this server (found by the marker in their environment)."""
@@ -288,6 +274,9 @@ class VLLMServer:
             self._stopped = True
             if self._owned and self.proc is not None:
                 end_processes(find_server_processes([self.server_id]), self.proc.pid, timeout)
+                # a child forked while the group was signalled got SIGTERM too, but nobody
+                # waited for it: wait now (SIGKILL if it lingers)
+                end_processes(find_server_processes([self.server_id]), None, 5)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=5)
             if self.watchdog is not None:

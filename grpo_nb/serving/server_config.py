@@ -62,10 +62,10 @@ class ServerConfig:
             (the plan's: on a CPU-only machine with ≥ 2 cores the last core, else unpinned),
             ``"off"``, or core ids (``[1]``, ``"2-3"``). Resolved at start.
         eager: ``--enforce-eager`` (no ``torch.compile``, no CUDA graphs). Off by default:
-            on a 2-core CPU with the tiny model, eager started 24 % sooner (48 vs 63 s, warm
-            compile cache) but generated 31–37 % fewer tokens/s
-            (``python benchmarks/server_compile.py``), so it pays only for short runs. Default
-            ``$GRPO_NB_SERVER_EAGER=1`` (``make test`` sets it: its servers live seconds).
+            eager starts sooner but generates fewer tokens/s
+            (``python benchmarks/server_compile.py`` measures both), so it pays only for short
+            runs. Default ``$GRPO_NB_SERVER_EAGER=1`` (``make test`` sets it: its servers live
+            seconds).
     """
 
     model: str = ""

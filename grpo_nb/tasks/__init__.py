@@ -18,7 +18,7 @@ gives the same three pieces, so that the rollout code never knows which task it 
 * :mod:`~grpo_nb.tasks.prompts` — the chat template (or the plain text) around a row.
 """
 
-from grpo_nb.tasks.answers import answers_match, extract_answer, format_ok, reward
+from grpo_nb.tasks.answers import answers_match, extract_answer, format_ok
 from grpo_nb.tasks.arithmetic import (
     ArithmeticTaskConfig,
     arithmetic_config,
@@ -54,5 +54,5 @@ __all__ = [
     "WeightedReward", "answers_match", "arithmetic_config", "dataset_source", "extract_answer",
     "format_ok", "format_problem", "has_chat_template", "is_arithmetic_name", "load_hub_math",
     "load_task", "make_dataset", "make_reward", "parse_reward", "prompt_text", "register_reward",
-    "render_prompt", "reward", "template_defaults",
+    "render_prompt", "template_defaults",
 ]

@@ -2,6 +2,8 @@
 
     completion text ─► extract_answer() ─► answers_match(predicted, reference) ─► bool
 
+The rewards built on these (``math``, ``exact``, ``format``) are in :mod:`grpo_nb.tasks.rewards`.
+
 Numbers compare numerically (``"9" == "0009"``, ``"1,200" == "1200"``); anything else (LaTeX
 such as ``\\frac{1}{2}``) goes through math-verify's symbolic check.
 """
@@ -77,16 +79,3 @@ def answers_match(predicted: str, reference: str) -> bool:
 def format_ok(text: str) -> bool:
     """Whether a completion has the expected shape: a bare number, or a ``\\boxed{}`` answer."""
     return WHOLE_NUMBER.fullmatch(text) is not None or last_boxed(text) is not None
-
-
-def reward(completion_text: str, answer: str, *, format_weight: float = 0.0) -> float:
-    """``1.0`` for a correct answer, plus ``format_weight`` for a well-formed completion.
-
-    Lenient about the answer's position (the last number counts); the arithmetic task stays
-    strict because its completions are decoded without the end-of-sequence token, so ``"0009"``
-    scores but ``"0009 12"`` (the model kept talking) extracts ``12`` and does not. See
-    :func:`grpo_nb.tasks.make_reward` for rewards chosen by name.
-    """
-    predicted = extract_answer(completion_text)
-    correct = predicted is not None and answers_match(predicted, answer)
-    return float(correct) + (format_weight if format_ok(completion_text) else 0.0)

@@ -41,7 +41,11 @@ def exact_match(completion_text: str, answer: str) -> float:
 
 
 def math_answer(completion_text: str, answer: str) -> float:
-    """1.0 when the answer read out of the text matches (numbers, else math-verify)."""
+    """1.0 when the answer read out of the text matches (numbers, else math-verify).
+
+    Lenient about the answer's position (the last number counts), so ``"0009"`` scores but
+    ``"0009 12"`` (the model kept talking) reads ``12`` and does not.
+    """
     predicted = extract_answer(completion_text)
     return float(predicted is not None and answers_match(predicted, answer))
 

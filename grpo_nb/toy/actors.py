@@ -190,11 +190,14 @@ class Trainer(Sink):
         await self.drain_sources(generators, cfg.generators)
         self.report("exited", actor=self.name, dropped=await self.discard_queued())
 
-    def _expected_reward(self) -> float:
-        """Exact expected reward of the current policy, averaged over fixed eval states."""
+    def _evaluate(self) -> tuple[float, float]:
+        """The current policy's exact expected reward and its mean entropy (nats), both
+        averaged over the fixed eval states: exact, so the curves are not sampling noise."""
         with torch.no_grad():
-            probs = torch.softmax(self.policy(self.eval_obs), dim=-1)
-            return float(probs.gather(1, self.eval_best[:, None]).mean())
+            logits = self.policy(self.eval_obs)
+            probs = torch.softmax(logits, dim=-1)
+            entropy = grpo.masked_entropy(logits[:, None], torch.ones(len(logits), 1))
+            return float(probs.gather(1, self.eval_best[:, None]).mean()), entropy
 
     def _step(self, step: int, groups: list[Group]) -> dict[str, Any]:
         cfg = self.cfg
@@ -212,15 +215,18 @@ class Trainer(Sink):
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
+        expected_reward, entropy = self._evaluate()
         return {
             "step": step + 1,
             "reward": float(rewards.mean()),
-            "expected_reward": self._expected_reward(),
+            "expected_reward": expected_reward,
+            "entropy": entropy,
             "loss": m["loss"],
             "kl": m["kl"],
             "clip_frac": m["clip_frac_low"] + m["clip_frac_high"],
             "ratio_mean": m["ratio_mean"],
             "zero_std_groups": grpo.zero_std_groups(rewards, cfg.group_size),
+            "zero_std_frac": grpo.zero_std_fraction(rewards, cfg.group_size),
             "staleness": [step - g.version for g in groups],
             "sources": [g.source for g in groups],
             "age_s": [time.time() - g.created for g in groups],

@@ -10,10 +10,10 @@ the routes around them::
                           └──────────────────────► /collective_rpc  /weight_info  /v1/…
                                                    /update_weight_version
 
-Every call raises on a non-2xx answer or a dead server (``requests`` raises
-``ConnectionError`` at once when nothing listens), so a failed sync can never go unnoticed.
-Connections are kept alive (one ``requests.Session`` per thread: a sync calls from two), and
-every call is counted in :attr:`VLLMControlClient.round_trips`.
+Every call raises on a non-2xx answer or a dead server (``httpx`` raises ``ConnectError`` at
+once when nothing listens), so a failed sync can never go unnoticed. Connections are kept
+alive (:func:`grpo_nb.serving.net.http`), and every call is counted in
+:attr:`VLLMControlClient.round_trips`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from __future__ import annotations
 import os
 import threading
 from typing import Any
+
+import httpx
+
+from grpo_nb.serving.net import http
 
 
 class WeightSyncError(RuntimeError):
@@ -48,7 +52,6 @@ class VLLMControlClient:
         # A keyed server answers 401 on /v1 routes without it (verify() uses them).
         self.api_key = api_key or os.environ.get("VLLM_API_KEY") or None
         self.round_trips = 0
-        self._local = threading.local()
         self._count_lock = threading.Lock()
 
     def __repr__(self) -> str:  # never show the key
@@ -79,21 +82,16 @@ class VLLMControlClient:
     # ── the routes around them ──
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        import requests
-
         url = f"{self.base_url}/{path.lstrip('/')}"
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = requests.Session()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         with self._count_lock:
             self.round_trips += 1
         try:
-            response = session.request(method, url, timeout=kwargs.pop("timeout", None)
-                                       or self.timeout, headers=headers, **kwargs)
-        except requests.RequestException as err:
+            response = http().request(method, url, timeout=kwargs.pop("timeout", None)
+                                      or self.timeout, headers=headers, **kwargs)
+        except httpx.TransportError as err:
             raise WeightSyncError(f"{method} {url}: {type(err).__name__}: {err}") from err
-        if not response.ok:
+        if not response.is_success:
             raise WeightSyncError(f"{method} {url} → HTTP {response.status_code}: "
                                   f"{response.text[:500]}")
         return response

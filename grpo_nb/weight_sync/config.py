@@ -27,7 +27,6 @@ class WeightSyncConfig:
             (per-tensor digests, :mod:`grpo_nb.weight_sync.verify`) and serves the version.
         send_dtype: the dtype tensors travel (and are checked) in; ``None``: the server's own
             dtype, asked once. An fp32 trainer model syncs to a bf16 server as bf16.
-        chunk_mb: unused (the gloo engine sends each tensor as it is; old configs load).
         timeout_s: bounds every HTTP call, the process group, and each transfer as a whole;
             a stalled or dead peer fails the sync after at most this long.
         atol: the tolerance the log-prob probe (:meth:`WeightSyncer.weight_gap`, a teaching
@@ -39,7 +38,6 @@ class WeightSyncConfig:
     pause_mode: PauseMode = "keep"
     verify: bool = True
     send_dtype: str | None = None
-    chunk_mb: int = 64
     timeout_s: float = 20.0
     atol: float = 1e-3
     probe_batch: int = 4
@@ -59,8 +57,6 @@ class WeightSyncConfig:
         if self.send_dtype is not None and self.send_dtype not in SEND_DTYPES:
             raise ValueError(f"WeightSyncConfig.send_dtype={self.send_dtype!r}: use None (the "
                              f"server's dtype) or one of {', '.join(SEND_DTYPES)}")
-        if self.chunk_mb < 1:
-            raise ValueError(f"WeightSyncConfig.chunk_mb={self.chunk_mb}: must be >= 1")
         if self.timeout_s <= 0:
             raise ValueError(f"WeightSyncConfig.timeout_s={self.timeout_s}: must be > 0")
 

@@ -92,7 +92,6 @@ class WeightSyncer:
         self.dirty: str | None = None  # why the server holds half-loaded weights, if it does
         self._tmp: Path | None = None
         self._model_name: str | None = None
-        self.last_gap: float | None = None  # the last weight_gap() (the teaching probe)
         self._held = False  # the server is paused by a failed "none" sync (see sync)
         self._dtype: torch.dtype | None = None  # the send dtype, once known
         self._armed = False  # the worker records digests and nobody has read them yet
@@ -374,7 +373,5 @@ class WeightSyncer:
             self._model_name = self.client.model_name()
         ids = self.probe()
         served = check.server_logprobs(self.client, self._model_name, ids)
-        gap = float((served - check.trainer_logprobs(self.model, ids, self.send_dtype()))
-                    .abs().max())
-        self.last_gap = gap
-        return gap
+        return float((served - check.trainer_logprobs(self.model, ids, self.send_dtype()))
+                     .abs().max())
