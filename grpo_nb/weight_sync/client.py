@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -120,6 +121,24 @@ class VLLMControlClient:
         body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}}
         response = self._request("POST", "collective_rpc", json=body, timeout=timeout)
         return response.json().get("results", []) if response.content else []
+
+    def running_requests(self) -> int:
+        """Requests the engine is decoding now: vLLM's ``vllm:num_requests_running`` gauge
+        (``/metrics``, Prometheus text; summed over its engines)."""
+        text = self._request("GET", "metrics").text
+        return int(sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("vllm:num_requests_running")))
+
+    def wait_running(self, at_least: int = 1, timeout: float = 10.0) -> bool:
+        """Wait until the engine decodes ``at_least`` requests; False if it does not within
+        ``timeout`` seconds. Blocks: from ``asyncio`` code, run it in a thread, or the
+        requests it waits for are never sent."""
+        deadline = time.monotonic() + timeout
+        while self.running_requests() < at_least:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def weight_version(self) -> str | None:
         return self._request("GET", "weight_info").json().get("weight_version")
