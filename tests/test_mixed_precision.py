@@ -119,6 +119,11 @@ def test_change_meter_counts_exactly_then_samples_big_models(monkeypatch) -> Non
     assert changed == pytest.approx(0.5, abs=0.2)
 
 
+def text_hash_reward(completion_text: str, answer: str) -> float:
+    """A reward that differs between (almost) any two different completions."""
+    return sum(map(ord, completion_text)) % 11 / 10
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_a_bf16_ring_run_reports_its_updates_in_every_row_and_the_summary(
@@ -134,19 +139,19 @@ def test_a_bf16_ring_run_reports_its_updates_in_every_row_and_the_summary(
     from grpo_nb.metrics import load_metrics
 
     monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
-    # 4 groups of 4 at temperature 1: a step whose every group has equal rewards has no
-    # gradient and changes nothing, so the batch is big enough that some group differs
+    # A step whose every group has equal rewards has no gradient and changes nothing (the
+    # warm-started model is often right or wrong on all of a prompt's samples): a reward that
+    # tells any two different completions apart gives every step a gradient.
     cfg = LLMConfig(mode="sync", steps=2, generators=1, prompts_per_step=4, group_size=4,
                     max_inflight=8, eval_every=100, eval_size=4, time_budget_s=180.0,
-                    temperature=1.0, dtype="bfloat16", lr=1e-6)
+                    temperature=1.0, dtype="bfloat16", lr=1e-6, reward=text_hash_reward)
     result = asyncio.run(train(cfg, model_dir=tiny_model_dir, name="bf16", server=ring_server,
                                smoke=True, progress=False))
     assert result.steps == 2 and result.weights_verified, result
     assert result.defaults["ratio_against"].startswith("trainer (bfloat16"), result
     steps = load_metrics(tmp_path / "bf16").rows("step")
-    learned = [r for r in steps if r["grad_norm"] > 0]
-    assert len(steps) == 2 and learned, steps
-    assert all(r["step_changed_frac"] >= 0.5 for r in learned), steps
-    assert all(r["step_changed_frac"] == 0 for r in steps if r["grad_norm"] == 0), steps
+    assert len(steps) == 2 and all(r["grad_norm"] > 0 for r in steps), steps
+    assert all(r["step_changed_frac"] >= 0.5 for r in steps), steps
+    assert result.step_changed_frac >= 0.5, result
     summary = json.loads((tmp_path / "bf16" / "result.json").read_text())
     assert summary["step_changed_frac"] == result.step_changed_frac

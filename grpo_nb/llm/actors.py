@@ -1,4 +1,4 @@
-"""The LLM GRPO ring: the toy ring's four stages, now driving a Qwen model served by vLLM.
+"""The LLM GRPO ring: the toy ring's four stages driving a Qwen model served by vLLM.
 
 The stages are :mod:`grpo_nb.ring`'s skeleton with the LLM's work filled in; each hop carries
 one message type, :class:`grpo_nb.serving.rollouts.Group`::

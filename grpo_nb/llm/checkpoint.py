@@ -4,7 +4,7 @@
 
     save(step 40): ckpt-000040-<id>.tmp/ ──write, fsync──► rename ckpt-000040-<id>/
                    checkpoint.tmp-link ──► rename over checkpoint   (one atomic rename(2))
-                   remove the older ckpt-* folders (only now: the new one is in place)
+                   remove the older ckpt-* folders (only after the new one is in place)
 
 A crash before the last rename leaves ``checkpoint`` pointing at the previous complete
 folder; a crash after it leaves the new one. The old folder is never removed before the

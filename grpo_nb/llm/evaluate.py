@@ -11,7 +11,7 @@ Any tokenizer, any length, any task: the checker is the task's own answer check 
 arithmetic, ``math`` for math text), never the shaped training reward (a format bonus is not
 a right answer). A completion cut at ``max_tokens`` counts as wrong, as in training.
 
-For the tiny character model this equals the teacher-forced check it was built with
+For the tiny character model this equals its teacher-forced check
 (:func:`grpo_nb.tiny_model.greedy_accuracy`: greedy reproduces ``answer + <eos>`` exactly
 when the argmax is right at every position) — up to float ties between the two engines.
 """

@@ -104,8 +104,8 @@ def server_logprobs(client: VLLMControlClient, model_name: str,
     """``[N, L-1]`` log-probs the server assigns to each probe token given its prefix.
 
     The first request with log-probs a server serves compiles its sampler's
-    ``batched_count_greater_than`` (``torch.compile``, even with ``--enforce-eager``): 10–20 s
-    and more on a busy 2-core machine with a cold compile cache. So a probe request waits up to
+    ``batched_count_greater_than`` (``torch.compile``, even with ``--enforce-eager``), which takes
+    tens of seconds on a busy 2-core machine with a cold compile cache. So a probe request waits up to
     ``PROBE_TIMEOUT_S`` (a dead server still fails at once: nothing accepts the connection).
     """
     rows = []
