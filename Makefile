@@ -91,8 +91,10 @@ check-notebooks: setup
 pytest: setup system-deps
 	GRPO_NB_SMOKE=1 GRPO_NB_SERVER_EAGER=1 $(BIN)/pytest -q --durations=20 tests
 
+# GRPO_NB_SOLUTIONS=1: each exercise checker runs the shipped solution (notebooks/solutions/)
+# and fails the notebook if it does not pass; `make lab` leaves it unset, so checkers test yours.
 nbtest: setup
-	GRPO_NB_SMOKE=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=1200 --durations=0 -n $(NB_WORKERS) --dist loadfile $(NBMAKE_NOTEBOOKS)
+	GRPO_NB_SMOKE=1 GRPO_NB_SOLUTIONS=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=1200 --durations=0 -n $(NB_WORKERS) --dist loadfile $(NBMAKE_NOTEBOOKS)
 
 # Run the notebooks RUNS times under a watchdog that, when nothing makes progress for STALL_S
 # seconds, saves every Python stack (py-spy) to runs/hang/ and ends the run.

@@ -5,7 +5,7 @@ import only torch, transformers and the project's modules that never import vLLM
 runs them with vLLM blocked), build their model from a config (random weights) and print
 ONE JSON line::
 
-    device_per_thread  two threads at once: one under weight_sync.on_device.device_scope of
+    device_per_thread  two threads at once: one under weight_sync.syncer.device_scope of
                        the trainer's device (the last GPU), one without; which device each
                        sees (torch.cuda.current_device, and where a bare "cuda" tensor lands)
     cuda_ipc           a CUDA tensor exported with torch.multiprocessing.reductions
@@ -42,8 +42,8 @@ import torch
 
 if TYPE_CHECKING:
     from grpo_nb.llm.config import LLMConfig
-    from grpo_nb.llm.trainer import PolicyTrainer
-    from grpo_nb.serving.rollouts import Group
+    from grpo_nb.llm.data import Group
+    from grpo_nb.llm.policy import PolicyTrainer
 
 # Qwen/Qwen3-0.6B's config.json (the fields that decide memory and compute).
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -72,7 +72,7 @@ def groups(cfg: LLMConfig, vocab: int, prompt_len: int, completion_len: int) -> 
     advantage is ±1). The sampler's log-probs are the uniform distribution's, near a
     random-weight model's own, so the truncated importance weight is about 1."""
     from grpo_nb.grpo import group_advantages
-    from grpo_nb.serving.rollouts import Group, Rollout
+    from grpo_nb.llm.data import Group, Rollout
 
     gen = torch.Generator().manual_seed(1)
     uniform = -math.log(vocab)
@@ -91,7 +91,7 @@ def groups(cfg: LLMConfig, vocab: int, prompt_len: int, completion_len: int) -> 
 
 
 def _trainer(shape: dict[str, Any], device: torch.device, cfg: LLMConfig) -> PolicyTrainer:
-    from grpo_nb.llm.trainer import PolicyTrainer
+    from grpo_nb.llm.policy import PolicyTrainer
 
     tokenizer = SimpleNamespace(pad_token_id=0)  # make_batch needs only the pad id
     return PolicyTrainer(build_model(shape, device), tokenizer, cfg)
@@ -101,7 +101,7 @@ def _trainer(shape: dict[str, Any], device: torch.device, cfg: LLMConfig) -> Pol
 
 
 def device_per_thread(ctx: SimpleNamespace) -> dict[str, Any]:
-    from grpo_nb.weight_sync.on_device import device_scope
+    from grpo_nb.weight_sync.syncer import device_scope
 
     if not ctx.cuda:
         return {"skipped": "no CUDA"}

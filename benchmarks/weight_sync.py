@@ -35,7 +35,7 @@ import torch
 
 
 def _gloo_peer(port: int, nbytes: int, repeats: int) -> None:
-    from grpo_nb.weight_sync.gloo_group import open_group
+    from grpo_nb.weight_sync.gloo_engine import open_group
 
     pg = open_group(1, 2, 60.0, port=port)
     buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -45,7 +45,7 @@ def _gloo_peer(port: int, nbytes: int, repeats: int) -> None:
 
 def gloo_floor_ms(nbytes: int, repeats: int) -> float:
     """Median ms of a raw gloo broadcast of ``nbytes`` to one other local process."""
-    from grpo_nb.weight_sync.gloo_group import listen_loopback, open_group
+    from grpo_nb.weight_sync.gloo_engine import listen_loopback, open_group
 
     sock = listen_loopback()
     port = sock.getsockname()[1]

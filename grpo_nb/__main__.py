@@ -1,13 +1,7 @@
-"""``python -m grpo_nb COMMAND ...`` — the command line of the course.
+"""``python -m grpo_nb COMMAND ...``: the course's command line.
 
-Commands (each lives in the module that owns the work; imports are lazy so that ``doctor``
-works even when vLLM or Monarch is missing)::
-
-    doctor     what is installed, and what each notebook needs     grpo_nb.course.doctor
-    toy        run the toy GRPO ring headless, write a PNG          grpo_nb.toy.run
-    rollouts   tiny model + vLLM server + groups of completions     grpo_nb.serving.cli
-    train      the asynchronous GRPO loop on the LLM                grpo_nb.llm.run
-    handouts   student copies, executed HTML pages, one PDF         grpo_nb.course.handouts
+Each command lives in the module that owns the work and is imported only when run, so that
+``doctor`` works even when vLLM or Monarch is missing.
 """
 
 from __future__ import annotations
@@ -15,10 +9,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS: dict[str, tuple[str, str]] = {
+COMMANDS: dict[str, tuple[str, str]] = {  # name: (module with cli(argv), help)
     "doctor": ("grpo_nb.course.doctor", "check the environment (versions, CPU/GPU, memory, notebooks)"),
     "toy": ("grpo_nb.toy.run", "run the toy GRPO ring and write its plot"),
-    "rollouts": ("grpo_nb.serving.cli", "serve the tiny model with vLLM and sample scored groups"),
+    "rollouts": ("grpo_nb.llm.rollouts", "serve the tiny model with vLLM and sample scored groups"),
     "train": ("grpo_nb.llm.cli", "asynchronous (or synchronous) GRPO on the LLM with weight sync"),
     "handouts": ("grpo_nb.course.handouts", "build workshop handouts (student copies, HTML, PDF)"),
 }
@@ -27,8 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def _usage() -> str:
     lines = ["usage: python -m grpo_nb COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines.append("\n`python -m grpo_nb COMMAND --help` for a command's options.")
-    return "\n".join(lines)
+    return "\n".join([*lines, "\n`python -m grpo_nb COMMAND --help` for a command's options."])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,12 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in {"-h", "--help"}:
         print(_usage())
         return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+    if argv[0] not in COMMANDS:
+        print(f"unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.cli(rest) or 0)
+    return int(importlib.import_module(COMMANDS[argv[0]][0]).cli(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

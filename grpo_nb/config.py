@@ -1,14 +1,10 @@
 """Where the package keeps things, and whether it runs in smoke mode.
 
-Smoke mode is read here and nowhere else: every config dataclass in the package offers a
-``smoke()`` preset, and notebooks pick it with :func:`preset`. CI sets ``GRPO_NB_SMOKE=1`` so
-that every notebook runs the real code path at a small size.
-
-Folders::
-
-    project cache   GRPO_NB_CACHE   default: <repo>/.cache when run from a checkout,
-                                     else ~/.cache/grpo-nb
-    runs            GRPO_NB_RUNS    default: <repo>/runs, else ./runs
+Smoke mode is read here and nowhere else: every config dataclass offers a ``smoke()`` preset
+that :func:`preset` picks when ``GRPO_NB_SMOKE`` is set (CI runs every notebook's real code path
+at a small size). Folders: the cache (``GRPO_NB_CACHE``, default ``<repo>/.cache`` in a
+checkout, else ``~/.cache/grpo-nb``) and the runs (``GRPO_NB_RUNS``, default ``<repo>/runs``,
+else ``./runs``).
 """
 
 from __future__ import annotations
@@ -22,11 +18,8 @@ _FALSE = {"", "0", "false", "no", "off"}
 
 
 def env_flag(name: str) -> bool:
-    """The boolean environment variable ``name`` (unset: False).
-
-    Raises ``ValueError`` on a value that is neither truthy nor falsy, so that a typo such as
-    ``GRPO_NB_SMOKE=ture`` does not silently run the other configuration.
-    """
+    """The boolean environment variable ``name`` (unset: False). A value that is neither
+    (a typo such as ``ture``) raises ``ValueError`` rather than run the other configuration."""
     raw = os.environ.get(name, "").strip().lower()
     if raw in _TRUE:
         return True
@@ -36,7 +29,7 @@ def env_flag(name: str) -> bool:
 
 
 def smoke_mode() -> bool:
-    """True when ``GRPO_NB_SMOKE`` asks for the small CI configuration (see :func:`env_flag`)."""
+    """True when ``GRPO_NB_SMOKE`` asks for the small CI configuration."""
     return env_flag("GRPO_NB_SMOKE")
 
 
@@ -49,7 +42,7 @@ C = TypeVar("C", bound=_HasSmoke)
 
 
 def preset(config_cls: type[C], smoke: bool | None = None) -> C:
-    """Return ``config_cls.smoke()`` in smoke mode, else the full default ``config_cls()``."""
+    """``config_cls.smoke()`` in smoke mode, else the full default ``config_cls()``."""
     use_smoke = smoke_mode() if smoke is None else smoke
     return config_cls.smoke() if use_smoke else config_cls()
 
@@ -60,27 +53,22 @@ def repo_root() -> Path | None:
     return here if (here / "pyproject.toml").is_file() else None
 
 
-def cache_dir() -> Path:
-    """The project cache: tiny models, tokenizers, vLLM's compile cache."""
-    env = os.environ.get("GRPO_NB_CACHE")
-    if env:
-        path = Path(env).expanduser()
-    elif (root := repo_root()) is not None:
-        path = root / ".cache"
+def _folder(env: str, in_repo: str, elsewhere: Path) -> Path:
+    """``$env``, else ``<repo>/in_repo`` in a checkout, else ``elsewhere``; created."""
+    if os.environ.get(env):
+        path = Path(os.environ[env]).expanduser()
     else:
-        path = Path.home() / ".cache" / "grpo-nb"
+        root = repo_root()
+        path = root / in_repo if root is not None else elsewhere
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def cache_dir() -> Path:
+    """The project cache: tiny models, tokenizers, vLLM's compile cache."""
+    return _folder("GRPO_NB_CACHE", ".cache", Path.home() / ".cache" / "grpo-nb")
 
 
 def runs_dir() -> Path:
     """Where runs are written: ``runs/<name>/`` holds metrics.jsonl, plots and checkpoints."""
-    env = os.environ.get("GRPO_NB_RUNS")
-    if env:
-        path = Path(env).expanduser()
-    elif (root := repo_root()) is not None:
-        path = root / "runs"
-    else:
-        path = Path.cwd() / "runs"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _folder("GRPO_NB_RUNS", "runs", Path.cwd() / "runs")

@@ -1,35 +1,17 @@
-"""The GRPO objective: pure torch functions, no I/O, one formula per docstring.
+"""The GRPO objective: pure torch functions, no I/O, shared by the toy ring (``T = 1``) and
+the LLM trainer (``T`` completion tokens per sample).
 
-The same functions serve the toy ring (one action per sample, ``T = 1``) and the LLM trainer
-(``T`` completion tokens per sample). Data flows through them like this::
-
-    rewards [B] ──► group_advantages ──► A [B] ─────────────────────────┐
-                                                                         ▼
-    logits [B,T,V] ─► token_logprobs ─► logp [B,T] ──► policy_loss(logp, old, A, mask, ...)
-                                          │                 │   ratio  ρ = exp(logp - old)
-    old_logprobs [B,T] (π_old: the policy  │                 │   PPO-clip, clip-higher
-       the ratio is taken against) ────────┼────────────────►│   + kl_coef * kl_penalty(logp, ref)
-    ref_logprobs [B,T] (frozen reference) ─┘                 │   dual-clip for A < 0 (optional)
-                                                             │   x truncated IS weight (optional)
-    sampler_logprobs [B,T] (from vLLM, optional) ───────────►│
-                                                             ▼
-                                   aggregate(per_token, mask, loss_agg) ──► (loss, metrics)
-
-Conventions
-    * ``B`` samples, ``T`` tokens per sample, ``V`` vocabulary size. Groups are consecutive
-      blocks of ``group_size`` samples that answer the same prompt.
-    * ``mask`` is ``[B, T]`` (bool or float); a masked-out (padding) position never contributes to
-      the loss, its gradient or any metric.
-    * Every computation runs in float32, whatever the input dtype (bf16 logits included).
-    * :func:`policy_loss` returns a loss to *minimise*: the negative clipped surrogate.
-      (Minimising ``ratio * advantage`` itself, a common sign slip, pushes probability *away*
-      from good answers.)
+Conventions: ``B`` samples, ``T`` tokens per sample, ``V`` vocabulary size; groups are
+consecutive blocks of ``group_size`` samples of the same prompt. ``mask`` is ``[B, T]``; a
+masked-out position never contributes to the loss, its gradient or any metric. Everything is
+computed in float32. :func:`policy_loss` returns a loss to *minimise*: the negative clipped
+surrogate (minimising ``ratio * advantage`` itself pushes probability away from good answers).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -42,11 +24,7 @@ LOSS_AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-tok
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
 
 
-# ── advantages ─────────────────────────────────────────────────────────────────────────────
-
-
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
-    """Reshape ``rewards [B]`` to ``[B / group_size, group_size]`` in float32, with checks."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
     if group_size < 2:
@@ -74,24 +52,15 @@ def zero_std_fraction(rewards: Tensor, group_size: int) -> float:
 def group_advantages(
     rewards: Tensor, group_size: int, *, scale: AdvScale = "std", eps: float = 1e-6
 ) -> Tensor:
-    """Group-relative advantages, one per sample.
-
-    For sample ``i`` in group ``g`` (consecutive blocks of ``group_size``)::
+    """Group-relative advantages, one per sample of group ``g``::
 
         scale="std":   A_i = (r_i - mean_g(r)) / (std_g(r) + eps)     (GRPO, DeepSeekMath)
         scale="none":  A_i =  r_i - mean_g(r)                          (Dr. GRPO)
 
-    ``std_g`` is the unbiased sample standard deviation (Bessel's correction, ``n - 1``), as in
-    ``torch.std`` and TRL. Dividing by it fixes each group's *sum of squared* advantages:
-    ``Σ_i A_i² = G - 1`` for every group with any spread (exactly so at ``eps = 0``), whatever its
-    success rate. A nearly-solved (or nearly-failed) group is therefore scaled up far more than
-    a 50/50 one; its ``Σ_i |A_i|`` stays smaller (one outlier carries most of it), but its
-    advantages grow to several times what ``scale="none"`` gives: the "difficulty bias" that
-    ``scale="none"`` removes. A group whose rewards are all equal gets exactly ``0`` (not
-    ``0 / eps`` rounding noise): use :func:`zero_std_groups` to count them.
-
-    Raises ``ValueError`` if ``rewards`` is not 1-D, ``group_size < 2`` or ``B`` is not a
-    multiple of ``group_size``. Returns float32 ``[B]``, detached (advantages are constants).
+    ``std_g`` is unbiased (``n - 1``), as in ``torch.std`` and TRL. Dividing by it scales a
+    nearly-solved (or nearly-failed) group up far more than a 50/50 one: the "difficulty bias"
+    that ``scale="none"`` removes. A group whose rewards are all equal gets exactly ``0``.
+    Returns float32 ``[B]``, detached.
     """
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
@@ -101,9 +70,6 @@ def group_advantages(
         centred = centred / (g.std(dim=1, keepdim=True) + eps)
     flat = (g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)).expand_as(g)
     return torch.where(flat, torch.zeros_like(centred), centred).reshape(-1)
-
-
-# ── log-probabilities ──────────────────────────────────────────────────────────────────────
 
 
 def _chunk_logprobs(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
@@ -117,21 +83,13 @@ def _chunk_logprobs(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
 def token_logprobs(
     logits: Tensor, token_ids: Tensor, temperature: float = 1.0, *, chunk_size: int = 1024
 ) -> Tensor:
-    """Log-probabilities of ``token_ids`` under ``softmax(logits / temperature)``.
+    """Log-probabilities of ``token_ids [B, T]`` under ``softmax(logits / temperature)``.
 
-    ``logp[b, t] = logits[b, t, id] / τ - logsumexp_v(logits[b, t, v] / τ)``, with
-    ``id = token_ids[b, t]``.
-
-    ``logits`` is ``[B, T, V]`` already aligned with ``token_ids [B, T]`` (for a causal LM, pass
-    ``logits[:, :-1]`` and ``ids[:, 1:]``). The ``B * T`` rows are processed ``chunk_size`` rows
-    at a time, so only one chunk's float32 copy of the logits exists at once: a 151k vocabulary
-    needs ``chunk_size * V * 4`` bytes (0.6 GB at 1024 rows), not ``B * T * V * 4``. When
-    gradients are needed each chunk is checkpointed, so backward recomputes that chunk's
-    softmax instead of keeping every chunk's float32 copy alive. Returns float32 ``[B, T]``;
-    gradients flow to ``logits``.
-
-    ``temperature`` must match the one the sampler applied if the result is compared with the
-    sampler's log-probs (and the sampler must report post-temperature log-probs).
+    ``logits [B, T, V]`` must already be aligned with ``token_ids`` (for a causal LM,
+    ``logits[:, :-1]`` and ``ids[:, 1:]``). Rows go ``chunk_size`` at a time, each
+    checkpointed under autograd, so only one chunk's float32 copy of the logits exists at
+    once. ``temperature`` must be the sampler's if the result is compared with its log-probs.
+    Returns float32 ``[B, T]``; gradients flow to ``logits``.
     """
     if logits.dim() != 3 or token_ids.shape != logits.shape[:2]:
         raise ValueError(f"expected logits [B,T,V] and token_ids [B,T], got "
@@ -156,16 +114,23 @@ def token_logprobs(
     return torch.cat(out).view(b, t)
 
 
+def next_token_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """``[B, L-1, V]``: a causal LM's logits at each position, which predict the next token."""
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+
+
+def sequence_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor,
+                      temperature: float) -> Tensor:
+    """``[B, L-1]`` log-prob of each next token of ``input_ids`` under ``model`` at
+    ``temperature`` (gradients flow): the one place a model's log-probs of sequences are taken."""
+    return token_logprobs(next_token_logits(model, input_ids, attention_mask),
+                          input_ids[:, 1:], temperature)
+
+
 def masked_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0, *,
                    chunk_size: int = 512) -> float:
-    """Token-mean entropy (nats) of ``softmax(logits / temperature)`` where ``mask`` is set.
-
-    ``H[b, t] = -Σ_v p_v log p_v``, ``p = softmax(logits[b, t] / τ)``: the entropy of the
-    distribution each token was sampled from, averaged over the unmasked ``[b, t]`` (0 when
-    there are none). ``logits`` is ``[B, T, V]`` aligned with ``mask [B, T]``, as for
-    :func:`token_logprobs`. A diagnostic, never a loss: no gradient; only the unmasked rows are
-    gathered, ``chunk_size`` at a time in float32, so padding and prompt positions cost nothing.
-    """
+    """Token-mean entropy (nats) of ``softmax(logits / temperature)`` where ``mask`` is set
+    (0 when nothing is): a diagnostic, no gradient; only unmasked rows are computed."""
     if logits.dim() != 3 or mask.shape != logits.shape[:2]:
         raise ValueError(f"expected logits [B,T,V] and mask [B,T], got {tuple(logits.shape)} "
                          f"and {tuple(mask.shape)}")
@@ -180,28 +145,16 @@ def masked_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0, *,
         return float(total) / max(rows.numel(), 1)
 
 
-# ── KL estimators ──────────────────────────────────────────────────────────────────────────
-
-
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> Tensor:
-    """Per-token estimates of ``KL(π_θ || π_ref)`` from tokens sampled by ``π_θ``.
+    """Per-token estimates of ``KL(π_θ || π_ref)`` from tokens sampled by ``π_θ``, with
+    ``log κ = log π_ref(y) - log π_θ(y)`` (Schulman, "Approximating KL divergence")::
 
-    With ``κ = π_ref(y) / π_θ(y)``, ``log κ = log π_ref(y) - log π_θ(y)`` (Schulman,
-    "Approximating KL divergence"; ``κ`` rather than ``ρ``, which is ``π_θ / π_old`` in
-    :func:`policy_loss`)::
+        k1 = -log κ            unbiased, high variance, can be negative
+        k2 = ½ (log κ)²        biased, low variance, ≥ 0
+        k3 = κ - 1 - log κ     unbiased, low variance, ≥ 0 (GRPO / DeepSeekMath)
 
-        k1 = -log κ                     unbiased, high variance, can be negative
-        k2 = ½ (log κ)²                 biased, low variance, ≥ 0
-        k3 = κ - 1 - log κ              unbiased, low variance, ≥ 0 (GRPO / DeepSeekMath)
-
-    Gradients with respect to ``logprobs`` (``ref_logprobs`` is treated as a constant)::
-
-        ∂k1/∂logπ_θ = 1        ∂k2/∂logπ_θ = -log κ        ∂k3/∂logπ_θ = 1 - κ
-
-    Used as a *loss* (gradient through ``log π_θ`` only, the sampling distribution held fixed),
-    their gradients averaged over ``y ~ π_θ`` are: ``k1`` → 0 (no pull towards the reference at
-    all), ``k2`` → ∇ KL(π_θ || π_ref), ``k3`` → ∇ KL(π_ref || π_θ) (the *reverse* KL). Returns
-    float32, same shape as the inputs; mask and aggregate it like any per-token loss.
+    As a loss (gradient through ``log π_θ`` only), their expected gradients are: ``k1`` 0,
+    ``k2`` ∇ KL(π_θ || π_ref), ``k3`` ∇ KL(π_ref || π_θ) (the reverse KL). Returns float32.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
@@ -216,30 +169,19 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> T
     return torch.expm1(log_kappa) - log_kappa
 
 
-# ── aggregation ────────────────────────────────────────────────────────────────────────────
-
-
 def aggregate(
     per_token: Tensor, mask: Tensor, loss_agg: LossAgg = "token-mean", max_tokens: int | None = None
 ) -> Tensor:
-    """Reduce a per-token quantity ``x [B, T]`` to a scalar, ignoring masked positions.
-
-    With ``m`` the mask and ``L_b = Σ_t m[b, t]`` the length of sequence ``b``::
+    """Reduce a per-token ``x [B, T]`` to a scalar, ignoring masked positions
+    (``L_b`` = unmasked length of sequence ``b``; an empty batch gives 0)::
 
         token-mean:               Σ_b Σ_t m x / Σ_b L_b
         seq-mean-token-mean:      mean over {b : L_b > 0} of (Σ_t m x / L_b)
         seq-mean-token-sum-norm:  Σ_b Σ_t m x / (B · max_tokens)     (Dr. GRPO)
 
-    ``token-mean`` weights every token equally, so long answers count more per sample.
-    ``seq-mean-token-mean`` weights every sequence equally, so each token of a long answer
-    counts *less*: a long wrong answer is penalised less per token than a short wrong one
-    (the length bias Dr. GRPO points out). ``seq-mean-token-sum-norm`` divides by a constant, so
-    each token's weight depends on neither its own sequence's length nor the batch's.
-
-    ``max_tokens`` is required for ``seq-mean-token-sum-norm`` (and ignored otherwise): pass the
-    *fixed* maximum completion length the sampler allows. It must not be the padded width ``T``
-    of the tensor at hand: that width changes from micro-batch to micro-batch, so the gradient
-    would change with ``grad_accum``. Empty batches (no unmasked token) give 0.
+    ``seq-mean-token-mean`` weighs each token of a long answer less (the length bias Dr. GRPO
+    points out). ``max_tokens`` must be the sampler's fixed maximum, not the padded width
+    (which changes with ``grad_accum``).
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
@@ -263,14 +205,6 @@ def aggregate(
     return x.sum() / (per_token.shape[0] * max_tokens)
 
 
-# ── the loss ───────────────────────────────────────────────────────────────────────────────
-
-
-def _check_same(name: str, t: Tensor | None, shape: torch.Size) -> None:
-    if t is not None and t.shape != shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-
-
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -288,49 +222,29 @@ def policy_loss(
     tis_cap: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The GRPO loss (to minimise) and its diagnostics.
-
-    Per token, with ``r = ρ = exp(logp - old)`` (π_θ / π_old for that token: a per-token
-    correction, not the sequence's importance weight ``Π_t ρ_t``) and ``A`` the sequence's
-    advantage::
+    """The GRPO loss (to minimise) and its diagnostics. Per token, with ``r = exp(logp - old)``
+    and ``A`` the sequence's advantage (``[B]`` or ``[B, T]``)::
 
         surrogate = min(r · A, clip(r, 1 - clip_low, 1 + clip_high) · A)      PPO-clip
         surrogate = max(surrogate, dual_clip · A)    where A < 0              dual-clip (optional)
         ℓ         = -w · surrogate + kl_coef · KL_kind(logp, ref)
         loss      = aggregate(ℓ, mask, loss_agg, max_tokens)
 
-    ``clip_high > clip_low`` is DAPO's "clip-higher": it lets rare tokens with ``A > 0`` grow
-    further before the clip stops their gradient. ``old_logprobs`` are the log-probs of the
-    policy the ratio is taken against (detached); the gradient flows through ``logprobs`` only.
-
-    The clip does *not* bound every token: for ``A < 0`` and ``r > 1 + clip_high`` the ``min``
-    keeps the unclipped ``r · A``, so the loss ``-r·A = r·|A|`` and its gradient grow without
-    limit with the ratio (a stale sample whose token became much likelier pushes as hard as its
-    ratio says). ``dual_clip = c > 1`` (Ye et al. 2020, "dual-clip PPO") caps that branch at
-    ``c · |A|``: where ``A < 0`` and ``r > c`` the loss is the constant ``c · |A|`` and the
-    gradient is zero.
-
-    Truncated importance sampling (off unless both ``sampler_logprobs`` and ``tis_cap`` are
-    given): the sampler (vLLM) and the trainer compute slightly different probabilities for the
-    same weights, so each token is re-weighted by ``w = min(exp(old - sampler), tis_cap)``
-    (detached); otherwise ``w = 1``.
-
-    ``advantages`` is ``[B]`` (broadcast over tokens) or ``[B, T]``. Works for ``T = 1``.
-    Metrics (floats, read back in one device sync): ``loss`` and ``pg_loss`` (the loss without
-    the KL term), aggregated like the loss; token-means over unmasked tokens of ``kl`` (0 without
-    a reference), ``clip_frac_low`` (``r < 1 - clip_low`` and ``A < 0``: the lower clip zeroes the
-    gradient), ``clip_frac_high`` (``r > 1 + clip_high`` and ``A > 0``), ``ratio_mean``,
-    ``tis_weight_mean`` and ``tis_frac_capped`` (1 and 0 when off), ``dual_clip_frac`` (``A < 0``
-    and ``r > dual_clip``; 0 when off); ``ratio_max`` and ``ratio_min`` over unmasked tokens (1
-    when there are none). ``max_tokens`` is required with ``loss_agg="seq-mean-token-sum-norm"``
-    (see :func:`aggregate`).
+    ``clip_high > clip_low`` is DAPO's clip-higher. For ``A < 0`` and ``r > 1 + clip_high`` the
+    ``min`` keeps ``r · A`` unbounded; ``dual_clip = c > 1`` caps it at ``c · |A|``.
+    Truncated importance sampling (with ``sampler_logprobs`` and ``tis_cap``): ``w =
+    min(exp(old - sampler), tis_cap)``, detached; else ``w = 1``. Gradients flow through
+    ``logprobs`` only. Metrics: ``loss``, ``pg_loss``, ``kl``, ``clip_frac_low`` /
+    ``clip_frac_high`` (tokens whose gradient the clip zeroes), ``ratio_mean`` / ``_max`` /
+    ``_min``, ``tis_weight_mean``, ``tis_frac_capped``, ``dual_clip_frac``.
     """
     shape = logprobs.shape
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B,T], got {tuple(shape)}")
     for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
                     ("sampler_logprobs", sampler_logprobs)):
-        _check_same(name, t, shape)
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     if advantages.shape not in (shape[:1], shape):
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
                          f"[B]={tuple(shape[:1])} or [B,T]={tuple(shape)}")

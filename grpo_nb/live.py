@@ -1,14 +1,6 @@
-"""Plots of a ring run that update while it runs (notebook) or are saved as PNG (terminal).
-
-Everything here reads metric rows only (see :mod:`grpo_nb.metrics`), so a finished run
-re-plots from its ``metrics.jsonl`` exactly as it looked live::
-
-    ring actors ─► MetricsRecorder ─rows─► toy_figure(rec) ─► LivePlot (display handle, in place)
-                         │                                  └► save_figure(...) ─► toy.png
-                         └─ metrics.jsonl ─► load_run(dir) ─► the same figure
-
-The panel helpers (:func:`plot_timeline`, :func:`plot_staleness`, :func:`plot_series`) take
-an ``Axes`` and plain rows/values, so other dashboards can reuse them.
+"""Figures of a ring run from its metric rows: redrawn live in a notebook, saved as PNG, or
+re-plotted from ``metrics.jsonl`` exactly as they looked live. The panel helpers take an
+``Axes`` and plain rows, so the LLM dashboard (:mod:`grpo_nb.llm.dashboard`) uses them too.
 """
 
 from __future__ import annotations
@@ -28,39 +20,33 @@ from grpo_nb.metrics import MetricsRecorder, load_metrics
 
 Rows = Sequence[dict[str, Any]]
 
-# One colour per phase, in every figure and every refresh (the toy timeline and the LLM
-# dashboard): a colour assigned by position among the labels *present* would change as phases
-# enter and leave the plotted window.
-PHASE_COLORS: dict[str, str] = {
-    "generate": "tab:orange",
-    "score": "tab:green",
-    "ref logp": "tab:olive",
-    "pass through": "tab:gray",
-    "train": "tab:purple",
-    "sync": "tab:red",
-    "eval": "tab:blue",
-}
-_SPARE_COLORS = ("tab:brown", "tab:pink", "tab:cyan", "black")
-
-
-def phase_color(label: str) -> str:
-    """The colour of a busy-phase label; an unknown label gets a fixed spare one (by hash)."""
-    if label in PHASE_COLORS:
-        return PHASE_COLORS[label]
-    return _SPARE_COLORS[zlib.crc32(label.encode()) % len(_SPARE_COLORS)]
+# One colour per phase in every figure and refresh: a colour assigned by position among the
+# labels present would change as phases enter and leave the plotted window.
+PHASE_COLORS: dict[str, str] = {"generate": "tab:orange", "score": "tab:green",
+                                 "ref logp": "tab:olive", "pass through": "tab:gray",
+                                 "train": "tab:purple", "sync": "tab:red", "eval": "tab:blue"}
+_SPARE_COLORS = ("tab:brown", "tab:pink", "tab:cyan", "black")  # unknown labels, by hash
+_LANES = ("gen", "scorer", "ref", "trainer")  # timeline lanes, top to bottom, by name prefix
 
 
 def legend_if_any(ax: Axes, **kwargs: Any) -> None:
-    """``ax.legend(**kwargs)`` only when something on ``ax`` has a label: an empty legend makes
-    matplotlib warn ("No artists with labels found"), a warning box in a notebook."""
+    """``ax.legend(**kwargs)`` only when something has a label (else matplotlib warns)."""
     handles, _ = ax.get_legend_handles_labels()
     if handles:
         ax.legend(**kwargs)
 
 
+def series(rows: Rows, key: str, x: str = "t") -> tuple[list, list]:
+    """``(xs, ys)`` of the rows that have a value for ``key``."""
+    pts = [(r[x], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
 def plot_series(ax: Axes, xs: Sequence[float], ys: Sequence[float], *, label: str = "",
                 smooth: int = 1, **kwargs: Any) -> None:
-    """A line, optionally with a trailing moving average of ``smooth`` points over it."""
+    """A line (none for no points), optionally under a trailing moving average of ``smooth``."""
+    if not len(xs):
+        return
     ys_f = [float("nan") if y is None else float(y) for y in ys]
     if smooth > 1 and len(ys_f) >= 2:
         ax.plot(xs, ys_f, alpha=0.25, **kwargs)
@@ -79,26 +65,25 @@ def plot_staleness(ax: Axes, values: Iterable[int], *, title: str = "staleness o
         mean = sum(vals) / len(vals)
         ax.axvline(mean, color="k", ls="--", lw=1, label=f"mean {mean:.2f}")
         ax.legend(loc="upper right", fontsize=8)
-    ax.set_title(title)
-    ax.set_xlabel("versions behind")
-    ax.set_ylabel("samples")
+    ax.set(title=title, xlabel="versions behind", ylabel="samples")
 
 
 def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
                   title: str = "who was busy when") -> None:
-    """Gantt chart of ``busy`` rows (``actor``, ``label``, ``start``, ``end``), one lane per actor.
-
-    ``window_s`` shows only the last seconds (a live plot of a long run stays readable).
-    """
+    """Gantt chart of ``busy`` rows (``actor``, ``label``, ``start``, ``end``), one lane per
+    actor; ``window_s`` keeps only the last seconds."""
     rows = list(busy_rows)
     if window_s is not None and rows:
         t_end = max(r["end"] for r in rows)
         rows = [r for r in rows if r["end"] >= t_end - window_s]
-    actors = sorted({r["actor"] for r in rows}, key=_actor_order)
+    actors = sorted({r["actor"] for r in rows},
+                    key=lambda a: (next((i for i, p in enumerate(_LANES) if a.startswith(p)), 9), a))
     order = list(PHASE_COLORS)
     labels = sorted({r.get("label", "") for r in rows},
                     key=lambda lab: (order.index(lab) if lab in order else len(order), lab))
-    colors = {lab: phase_color(lab) for lab in labels}
+    spare = len(_SPARE_COLORS)
+    colors = {lab: PHASE_COLORS.get(lab) or _SPARE_COLORS[zlib.crc32(lab.encode()) % spare]
+              for lab in labels}
     for lane, actor in enumerate(actors):
         for lab in labels:
             spans = [(r["start"], max(r["end"] - r["start"], 1e-4)) for r in rows
@@ -110,26 +95,15 @@ def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
     if rows:  # collections do not take part in autoscaling after a redraw: set x explicitly
         t0, t1 = min(r["start"] for r in rows), max(r["end"] for r in rows)
         ax.set_xlim(t0, t1 + 1e-3)
-    ax.set_xlabel("time (s)")
-    ax.set_title(title)
+    ax.set(title=title, xlabel="time (s)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[lab]) for lab in labels]
     if handles:
         ax.legend(handles, labels, loc="upper left", fontsize=7, ncols=min(4, len(labels)))
 
 
-def _actor_order(name: str) -> tuple[int, str]:
-    for i, prefix in enumerate(("gen", "scorer", "ref", "trainer")):
-        if name.startswith(prefix):
-            return i, name
-    return 9, name
-
-
 def clear_artists(ax: Axes) -> None:
-    """Remove what was plotted on ``ax`` but keep the axes and their ticks.
-
-    ``ax.cla()`` would do the same but rebuilds every tick, which is most of the cost of a
-    redraw: live plots redraw several times per second.
-    """
+    """Remove what was plotted on ``ax`` but keep its ticks (``ax.cla()`` rebuilds them, most
+    of the cost of a redraw)."""
     for artist in [*ax.lines, *ax.patches, *ax.collections, *ax.texts, *ax.images]:
         artist.remove()
     if (legend := ax.get_legend()) is not None:
@@ -150,8 +124,9 @@ def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_rewa
     else:
         fig.clf()
         (ax_r, ax_kl), (ax_st, ax_tl) = fig.subplots(2, 2)
-        # Fixed margins instead of tight_layout(), which costs more than the drawing itself.
-        fig.subplots_adjust(left=0.06, right=0.98, top=0.95, bottom=0.08, hspace=0.42, wspace=0.22)
+        # Fixed margins: a layout engine costs more than the drawing itself.
+        fig.subplots_adjust(left=0.06, right=0.98, top=0.95, bottom=0.08, hspace=0.42,
+                            wspace=0.22)
     steps = rec.rows("step")
     xs = [r["step"] for r in steps]
     plot_series(ax_r, xs, [r["reward"] for r in steps], label="sampled reward", smooth=10, color="tab:blue")
@@ -161,25 +136,21 @@ def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_rewa
         ax_r.axhline(optimum, color="tab:red", ls="--", lw=1, label=f"optimum {optimum:g}")
     if random_reward is not None:
         ax_r.axhline(random_reward, color="grey", ls=":", lw=1, label=f"random {random_reward:.2f}")
-    flat = [(r["step"], r["zero_std_frac"]) for r in steps if r.get("zero_std_frac") is not None]
-    if flat:  # all-equal rewards: zero advantages, no gradient (solved, or stuck)
-        plot_series(ax_r, *zip(*flat, strict=True), label="groups with no signal", smooth=10,
-                    color="tab:gray", ls="--")
-    ax_r.set_ylim(-0.02, 1.05 * (optimum or 1.0))
-    ax_r.set_title("reward")
-    ax_r.set_xlabel("trainer step")
+    # all-equal rewards: zero advantages, no gradient (solved, or stuck)
+    plot_series(ax_r, *series(steps, "zero_std_frac", "step"), label="groups with no signal",
+                smooth=10, color="tab:gray", ls="--")
+    ax_r.set(title="reward", xlabel="trainer step")
     legend_if_any(ax_r, loc="lower right", fontsize=8)
     plot_series(ax_kl, xs, [r["kl"] for r in steps], label="KL to reference", color="tab:orange")
-    ent = [(r["step"], r["entropy"]) for r in steps if r.get("entropy") is not None]
-    if ent:  # near 0: the policy stopped exploring
-        plot_series(ax_kl, *zip(*ent, strict=True), label="policy entropy", color="tab:purple")
+    # near 0: the policy stopped exploring
+    plot_series(ax_kl, *series(steps, "entropy", "step"), label="policy entropy",
+                color="tab:purple")
     legend_if_any(ax_kl, loc="upper right", fontsize=8)
-    for ax in (ax_r, ax_kl):
+    for ax in (ax_r, ax_kl):  # reused axes keep their old limits otherwise
         ax.relim()
         ax.autoscale_view()
     ax_r.set_ylim(-0.02, 1.05 * (optimum or 1.0))
-    ax_kl.set_title("KL(policy ‖ reference) and entropy (nats)")
-    ax_kl.set_xlabel("trainer step")
+    ax_kl.set(title="KL(policy ‖ reference) and entropy (nats)", xlabel="trainer step")
     plot_staleness(ax_st, [s for r in steps for s in r.get("staleness", [])])
     plot_timeline(ax_tl, rec.rows("busy"), window_s=window_s,
                   title="who was busy when" + (f" (last {window_s:g} s)" if window_s else ""))
@@ -187,44 +158,37 @@ def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_rewa
 
 
 class LivePlot:
-    """A figure that redraws in place in a notebook while the ring runs.
+    """A figure redrawn in place in a notebook while a ring runs: ``update(rec)`` after each
+    step, ``close(rec)`` for the final frame. Each frame is a PNG replacing the display
+    handle's image (JupyterLab and nbmake alike).
 
-    Use ``live = LivePlot(optimum=...)`` then pass ``live.update`` as ``on_step``; call
-    ``live.close(rec)`` at the end for the final frame. The figure is rendered to a PNG here
-    and the display handle's image is replaced (works in JupyterLab and under nbmake).
-
-    Drawing runs on the event loop the actors share, so while it draws the ring stands still.
-    Redraws are therefore spaced by at least ``every_s`` *and* by three times the last redraw's
-    cost, which keeps the plot's share of the time at about a quarter on a slow machine.
+    Drawing stops the actors' shared event loop, so redraws are spaced by ``every_s`` and by
+    three times the last redraw's cost.
     """
 
-    def __init__(self, *, optimum: float | None = 1.0, random_reward: float | None = None,
-                 every_s: float = 0.3, window_s: float | None = 3.0, dpi: int = 72) -> None:
+    def __init__(self, figure: Callable[..., Figure] = toy_figure, *, every_s: float = 0.3,
+                 dpi: int = 72, fig_kw: dict[str, Any] | None = None, **figure_kw: Any) -> None:
         from IPython.display import display
 
-        self.optimum, self.random_reward = optimum, random_reward
-        self.every_s, self.window_s, self.dpi = every_s, window_s, dpi
-        self.fig = plt.figure(figsize=(11, 6.5))
-        plt.close(self.fig)  # we display PNGs ourselves; keep inline backends from showing it again
-        self.frames = 0
-        self.draw_s = 0.0
-        self._last = 0.0
+        self.figure, self.figure_kw = figure, figure_kw
+        self.every_s, self.dpi = every_s, dpi
+        self.fig = plt.figure(**(fig_kw or {"figsize": (11, 6.5)}))
+        plt.close(self.fig)  # shown through the handle only, not again at the cell's end
+        self.frames, self.draw_s, self._last = 0, 0.0, 0.0
         self.handle = display(self._render(MetricsRecorder(None)), display_id=True)
 
     def _render(self, rec: MetricsRecorder) -> Any:
         from IPython.display import Image
 
         t0 = time.perf_counter()
-        toy_figure(rec, optimum=self.optimum, random_reward=self.random_reward, fig=self.fig,
-                   window_s=self.window_s)
+        self.figure(rec, fig=self.fig, **self.figure_kw)
         buf = io.BytesIO()
         self.fig.savefig(buf, format="png", dpi=self.dpi)
         self.draw_s = time.perf_counter() - t0
         return Image(data=buf.getvalue(), format="png")
 
     def update(self, rec: MetricsRecorder, *, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not force and now - self._last < max(self.every_s, 3 * self.draw_s):
+        if not force and time.perf_counter() - self._last < max(self.every_s, 3 * self.draw_s):
             return
         image = self._render(rec)
         self._last = time.perf_counter()
@@ -237,9 +201,11 @@ class LivePlot:
         self.update(rec, force=True)
 
 
-def save_figure(rec: MetricsRecorder, path: Path | str, **kwargs: Any) -> Path:
-    """Write the toy figure of ``rec`` to ``path`` (PNG); returns the path."""
-    fig = toy_figure(rec, window_s=None, **kwargs)
+def save_figure(rec: MetricsRecorder, path: Path | str, *,
+                figure: Callable[..., Figure] = toy_figure, **kwargs: Any) -> Path:
+    """Write ``figure(rec)`` (the toy ring's, by default) to ``path`` as PNG; returns the path."""
+    kwargs.setdefault("window_s", None)
+    fig = figure(rec, **kwargs)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

@@ -1,22 +1,15 @@
 """A metrics recorder: rows in memory, mirrored line by line to ``runs/<name>/metrics.jsonl``.
 
 Every row has a ``kind`` (``"step"``, ``"busy"``, ``"eval"``, ``"sync"``, …) and a time ``t`` in
-seconds since the recorder started. The toy ring and the LLM ring both write here; the plots in
-:mod:`grpo_nb.live` and :mod:`grpo_nb.llm.dashboard` only read rows, so a finished run re-plots from
-its JSONL file exactly as it looked live::
-
-    actors ──log()──► MetricsRecorder ──► metrics.jsonl
-                            │
-                            └──rows()──► live plots / dashboard / load_run()
+seconds since the recorder started. Both rings write here; the plots only read rows, so a
+finished run re-plots from its JSONL file exactly as it looked live.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +17,7 @@ from grpo_nb.config import runs_dir
 
 
 def _jsonable(value: Any) -> Any:
-    """Turn tensors / numpy scalars into plain numbers; NaN and inf become None (valid JSON)."""
+    """Tensors and numpy scalars become plain numbers; NaN and inf become None (valid JSON)."""
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -37,12 +30,8 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsRecorder:
-    """Collects metric rows; writes each to ``run_dir/metrics.jsonl`` when a folder is given.
-
-    Args:
-        run_dir: folder for the JSONL file (created). ``None`` keeps rows in memory only.
-        append: keep an existing ``metrics.jsonl`` (resuming a run) instead of starting afresh.
-    """
+    """Collects metric rows; writes each to ``run_dir/metrics.jsonl`` when a folder is given
+    (``None``: in memory only). ``append=True`` resumes a run's existing file."""
 
     def __init__(self, run_dir: Path | str | None = None, *, append: bool = False) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -55,8 +44,7 @@ class MetricsRecorder:
             if append and path.exists():
                 self._rows = _read_jsonl(path)
                 # Keep time monotonic across a resume: continue after the last row's time.
-                last_t = max((r.get("t", 0.0) or 0.0 for r in self._rows), default=0.0)
-                self._t0 -= last_t
+                self._t0 -= max((r.get("t", 0.0) or 0.0 for r in self._rows), default=0.0)
             self._file = path.open("a" if append else "w", encoding="utf-8")
 
     @classmethod
@@ -70,9 +58,8 @@ class MetricsRecorder:
 
     def log(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Record one row of ``kind``; ``t`` defaults to now. Returns the stored row."""
-        row = {"kind": kind, "t": fields.pop("t", None)}
-        if row["t"] is None:
-            row["t"] = self.now()
+        t = fields.pop("t", None)
+        row = {"kind": kind, "t": self.now() if t is None else t}
         row.update({k: _jsonable(v) for k, v in fields.items()})
         self._rows.append(row)
         if self._file is not None:
@@ -80,20 +67,9 @@ class MetricsRecorder:
             self._file.flush()
         return row
 
-    @contextlib.contextmanager
-    def busy(self, actor: str, label: str = "") -> Iterator[None]:
-        """Record the interval an actor spends inside the ``with`` block (for timelines)."""
-        start = self.now()
-        try:
-            yield
-        finally:
-            self.log("busy", actor=actor, label=label, start=start, end=self.now())
-
     def rows(self, kind: str | None = None) -> list[dict[str, Any]]:
         """All rows, or those of one kind, in the order they were logged."""
-        if kind is None:
-            return list(self._rows)
-        return [r for r in self._rows if r["kind"] == kind]
+        return [r for r in self._rows if kind is None or r["kind"] == kind]
 
     def series(self, kind: str, key: str) -> list[Any]:
         """The values of ``key`` over the rows of ``kind`` that have it."""
@@ -115,8 +91,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
     with path.open(encoding="utf-8") as fh:
         for line_no, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line:
+            if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
@@ -129,11 +104,10 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def load_metrics(run_dir: Path | str) -> MetricsRecorder:
-    """Read a finished (or interrupted) run's ``metrics.jsonl`` into an in-memory recorder."""
+    """A finished (or interrupted) run's ``metrics.jsonl`` in an in-memory recorder."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: is this a run folder?")
     rec = MetricsRecorder(None)
-    rec._rows = _read_jsonl(path)
-    rec.run_dir = Path(run_dir)
+    rec._rows, rec.run_dir = _read_jsonl(path), Path(run_dir)
     return rec

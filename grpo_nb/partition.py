@@ -1,20 +1,10 @@
 """Who runs on which CPU core: the vLLM server tree on its own core(s), the trainer on the rest.
 
-On a CPU-only machine the server and the trainer compete for the same few cores. vLLM's engine
-spin-waits (``sched_yield``) while it generates and its OpenMP threads want a whole core each;
-an unpinned trainer lands on the same core half the time, and then neither runs at speed, so
-generation and training cannot overlap — which is the whole point of asynchronous GRPO. A
-partition gives each side its own cores::
-
-    plan(cpus=(0, 1))  ──►  Plan(server_cpus=(1,), trainer_cpus=(0,), trainer_threads=1)
-        │                        │                              │
-        │   VLLMServer.start ────┘ every process of the tree    │ apply_to_this_process /
-        │   (ServerConfig.cpus="auto")   inherits the mask       │ pinned(): every thread of
-        │                                                       │ this process + torch threads
-        ▼
-    default: a CPU-only machine with ≥ 2 cores → the server gets the last core. Off on a GPU
-    (the GPU does the work there), on one core, or with ``GRPO_NB_SERVER_CPUS=off``; a list
-    such as ``GRPO_NB_SERVER_CPUS=2-3`` (or ``plan(server_cpus="2-3")``) chooses the cores.
+On a CPU-only machine vLLM's engine spin-waits and its OpenMP threads want a whole core each;
+an unpinned trainer shares their core half the time and then neither runs at speed, so
+generation and training cannot overlap. By default (``GRPO_NB_SERVER_CPUS=auto``) a CPU-only
+machine with two or more cores gives the server its last core; ``off``, or a core list such as
+``2-3``, overrides that.
 """
 
 from __future__ import annotations
@@ -24,7 +14,6 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 ENV = "GRPO_NB_SERVER_CPUS"  # "auto" (default), "off", or a core list such as "1" or "2-3,5"
 
@@ -53,6 +42,11 @@ class Plan:
                 f"thread(s) ({self.why})")
 
 
+def _off(why: str) -> Plan:
+    """No partition, and why."""
+    return Plan(None, None, None, why)
+
+
 def available_cpus() -> tuple[int, ...]:
     """The cores this process may run on (a container or ``taskset`` may allow fewer)."""
     return tuple(sorted(os.sched_getaffinity(0)))
@@ -75,35 +69,24 @@ def parse_cpus(text: str, field: str = "cpus") -> tuple[int, ...]:
 
 def format_cpus(cpus: Sequence[int] | None) -> str:
     """``(0, 2, 3)`` → ``"0,2-3"`` (the form of ``Cpus_allowed_list``)."""
-    if not cpus:
-        return "-"
     ranges: list[list[int]] = []
-    for c in sorted(cpus):
+    for c in sorted(cpus or ()):
         if ranges and c == ranges[-1][1] + 1:
             ranges[-1][1] = c
         else:
             ranges.append([c, c])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges) or "-"
 
 
 def check_spec(spec: CpuSpec, field: str) -> None:
-    """Validate a cpu spec (``"auto"``, ``"off"``, ``None``, a list string or ints)."""
+    """Validate a cpu spec: ``"auto"``, ``"off"``, ``None``, a core list string, or ints."""
     if spec is None or spec in ("auto", "off"):
         return
     if isinstance(spec, str):
         parse_cpus(spec, field)
-        return
-    if isinstance(spec, bool) or not all(isinstance(c, int) and not isinstance(c, bool)
-                                         and c >= 0 for c in spec) or not list(spec):
+    elif isinstance(spec, bool) or not spec or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in spec):
         raise ValueError(f"{field}={spec!r}: 'auto', 'off', or a non-empty list of core ids ≥ 0")
-
-
-def _gpu_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *,
@@ -111,20 +94,17 @@ def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *
     """The partition for a machine with ``cpus`` (a count or core ids; default: the cores this
     process may use). ``server_cpus``: ``"auto"``, ``"off"`` or cores (default
     ``$GRPO_NB_SERVER_CPUS``, else ``"auto"``). ``gpu`` default: is CUDA available."""
-    if isinstance(cpus, int):
-        allowed = tuple(range(cpus))
-    else:
-        allowed = tuple(sorted(cpus)) if cpus else available_cpus()
+    allowed = tuple(range(cpus)) if isinstance(cpus, int) else tuple(sorted(cpus or available_cpus()))
     spec = server_cpus if server_cpus is not None else (os.environ.get(ENV) or "auto")
     field = "server_cpus" if server_cpus is not None else ENV
     check_spec(spec, field)
     if spec == "off":
-        return Plan(None, None, None, f"{field}=off")
+        return _off(f"{field}=off")
     if spec == "auto":
         if gpu if gpu is not None else _gpu_available():
-            return Plan(None, None, None, "a GPU does the work; CPU cores are not partitioned")
+            return _off("a GPU does the work; CPU cores are not partitioned")
         if len(allowed) < 2:
-            return Plan(None, None, None, f"only {len(allowed)} core")
+            return _off(f"only {len(allowed)} core")
         return _split(allowed, (allowed[-1],), f"auto: the last of {len(allowed)} cores")
     chosen = parse_cpus(spec, field) if isinstance(spec, str) else tuple(sorted(set(spec)))
     if not set(chosen) <= set(allowed):
@@ -138,16 +118,14 @@ def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *
 
 def beside(server_cpus: Sequence[int] | None) -> Plan:
     """The trainer's side of a server tree already pinned to ``server_cpus``: the other cores
-    this process may use. No partition when the server is not pinned (``None``: it runs on a
-    GPU, on one core, or with ``cpus="off"``) or when no core is left beside it."""
+    this process may use (no partition when the server is not pinned or leaves no core)."""
     if not server_cpus:
-        return Plan(None, None, None, "the server tree is not pinned")
-    trainer = tuple(c for c in available_cpus() if c not in set(server_cpus))
-    if not trainer:
-        return Plan(None, None, None, f"no core left beside the server's "
-                                      f"{format_cpus(server_cpus)}")
-    return _split(tuple(sorted({*trainer, *server_cpus})), tuple(sorted(server_cpus)),
-                  f"beside the server tree on {format_cpus(server_cpus)}")
+        return _off("the server tree is not pinned")
+    server = tuple(sorted(server_cpus))
+    allowed = tuple(sorted({*available_cpus(), *server}))
+    if allowed == server:
+        return _off(f"no core left beside the server's {format_cpus(server)}")
+    return _split(allowed, server, f"beside the server tree on {format_cpus(server)}")
 
 
 def _split(allowed: tuple[int, ...], server: tuple[int, ...], why: str) -> Plan:
@@ -155,80 +133,43 @@ def _split(allowed: tuple[int, ...], server: tuple[int, ...], why: str) -> Plan:
     return Plan(tuple(server), trainer, len(trainer), why)
 
 
-# ── applying it ──
+def _gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
-def _threads() -> list[int]:
-    return [int(t) for t in os.listdir("/proc/self/task")] if Path("/proc/self/task").is_dir() \
-        else [0]
-
-
-def set_affinity_all_threads(cpus: Sequence[int]) -> None:
-    """Pin every thread of this process: ``sched_setaffinity(0)`` moves only the calling
-    thread, while the event loop's helpers, torch's pool and the kernel's threads exist
-    already and would keep running anywhere."""
-    for tid in _threads():
+def _pin_all_threads(cpus: Sequence[int]) -> None:
+    # sched_setaffinity(0) moves only the calling thread; the event loop's helpers and
+    # torch's pool exist already and would keep running anywhere.
+    for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(tid, cpus)
-
-
-def apply_to_this_process(p: Plan) -> tuple[tuple[int, ...], int | None] | None:
-    """Pin this process (every thread) to ``p.trainer_cpus`` and set torch's thread count.
-
-    Returns the previous ``(cpus, torch threads)`` for :func:`restore`, or ``None`` when the
-    plan is off (nothing changed)."""
-    if not p.active:
-        return None
-    before = (available_cpus(), _torch_threads())
-    set_affinity_all_threads(p.trainer_cpus)
-    if "torch" in sys.modules or _has_torch():
-        import torch
-
-        torch.set_num_threads(p.trainer_threads)
-    return before
-
-
-def restore(before: tuple[tuple[int, ...], int | None] | None) -> None:
-    """Undo :func:`apply_to_this_process` (a notebook kernel lives on after the run)."""
-    if before is None:
-        return
-    cpus, threads = before
-    set_affinity_all_threads(cpus)
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+            os.sched_setaffinity(int(tid), cpus)
 
 
 @contextlib.contextmanager
 def pinned(p: Plan) -> Iterator[Plan]:
-    """``with pinned(plan):`` this process runs on the trainer's cores, then as before."""
-    before = apply_to_this_process(p)
+    """``with pinned(plan):`` every thread of this process runs on the trainer's cores with as
+    many torch threads, then as before (a notebook kernel lives on after the run)."""
+    if not p.active:
+        yield p
+        return
+    import torch
+
+    cpus, threads = available_cpus(), torch.get_num_threads()
+    _pin_all_threads(p.trainer_cpus)
+    torch.set_num_threads(p.trainer_threads)
     try:
         yield p
     finally:
-        restore(before)
-
-
-def _has_torch() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torch") is not None
-
-
-def _torch_threads() -> int | None:
-    if "torch" not in sys.modules and not _has_torch():
-        return None
-    import torch
-
-    return torch.get_num_threads()
+        _pin_all_threads(cpus)
+        torch.set_num_threads(threads)
 
 
 def exec_pinned(cpus: Sequence[int], cmd: list[str]) -> list[str]:
-    """``cmd`` started through a tiny trampoline that pins itself, then ``exec``\\ s ``cmd``:
-    the pid stays, and every process and thread vLLM creates inherits the mask. (Not
-    ``preexec_fn``: Python code between fork and exec can deadlock in a threaded parent,
-    such as a notebook kernel.)"""
+    """``cmd`` started through a trampoline that pins itself, then ``exec``\\ s ``cmd``: the
+    pid stays, and every process and thread vLLM creates inherits the mask. (Not
+    ``preexec_fn``: Python code between fork and exec can deadlock in a threaded parent.)"""
     mask = ",".join(str(int(c)) for c in cpus)
     code = f"import os,sys;os.sched_setaffinity(0,{{{mask}}});os.execv(sys.argv[1],sys.argv[1:])"
     return [sys.executable, "-S", "-c", code, *cmd]
@@ -238,12 +179,3 @@ def server_env(cpus: Sequence[int]) -> dict[str, str]:
     """vLLM's CPU backend binds one OpenMP thread per listed core; without these it reserves
     a core for its scheduler and picks the worker's cores itself, ignoring our mask."""
     return {"VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-
-
-def allowed_list(pid: int | str, tid: int | str | None = None) -> tuple[int, ...]:
-    """``Cpus_allowed_list`` of a process (or one of its threads) from ``/proc``."""
-    path = Path(f"/proc/{pid}") / (f"task/{tid}" if tid is not None else "") / "status"
-    for line in path.read_text().splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            return parse_cpus(line.split(":", 1)[1].strip(), "Cpus_allowed_list")
-    raise RuntimeError(f"{path}: no Cpus_allowed_list")

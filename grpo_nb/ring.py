@@ -1,32 +1,7 @@
-"""One ring, two scales: the pipeline stage and the controller that both GRPO rings are built on.
-
-The toy ring (:mod:`grpo_nb.toy.actors`, an MLP policy) and the LLM ring
-(:mod:`grpo_nb.llm.actors`, a Qwen model served by vLLM) have the same shape::
-
-    Generator × K ──msg──► Scorer ──msg──► Reference ──msg──► Trainer
-         ▲    (Source)            (Relay)           (Relay)      │ (Sink)
-         └─────────── new weights / progress (fire-and-forget) ◄─┘
-    every stage ──Event("busy" | "step" | ... | "exited" | "error")──► Controller ──► MetricsRecorder
-
-Each ring writes only what differs: what its generator makes, what its scorer and reference
-do to a message (:meth:`Relay.process`), what its trainer does with a batch. This module owns
-the rest, once:
-
-- :class:`Stage` — an actor whose work is a background loop started by an endpoint (so its
-  mailbox stays free for control messages); a loop that crashes reports its traceback to the
-  controller instead of dying silently; ``__cleanup__`` cancels the loop when the mesh stops.
-- :class:`Source` / :class:`Relay` / :class:`Sink` — the three positions in the pipeline and
-  the two-phase shutdown: the trainer calls ``drain`` on every generator, each sends one
-  ``None``; a relay forwards one ``None`` once it has seen one from each of its ``upstream``
-  senders; the trainer discards what is still queued (:meth:`Sink.discard_queued`). Every
-  wait of that end on a peer is bounded (``Sink.finish_timeout_s``): a stage that died or
-  never sends its ``None`` ends the run with a :class:`RingError` naming it, never a hang.
-- :class:`Controller` — spawn the stages (on asyncio or on real Monarch processes), relay their
-  events into a :class:`~grpo_nb.metrics.MetricsRecorder`, race that against watchers (a dead
-  server, a Stop button), and always stop every mesh.
-
-The classes are plain module-level :class:`grpo_nb.actors.Actor` subclasses, so the same
-classes spawn on torchmonarch processes (:func:`grpo_nb.actors.class_for`).
+"""The skeleton both GRPO rings are built on (:mod:`grpo_nb.toy.actors`, :mod:`grpo_nb.llm.actors`
+write only what their stages do to a message): a stage's background loop and crash report, the
+three pipeline positions with a bounded two-phase shutdown, each generator's share of the
+trainer's credits, and the :class:`Controller` that spawns, wires, watches and stops the stages.
 """
 
 from __future__ import annotations
@@ -46,11 +21,9 @@ from grpo_nb.metrics import MetricsRecorder
 
 @dataclass
 class Event:
-    """What actors tell the controller through the metrics port.
-
-    ``kind`` is ``"busy"`` (``data``: rows ``(actor, label, start, end)``), ``"exited"``,
-    ``"error"`` (``{"actor", "error", "traceback"}``) or a ring's own row kind (``"step"``,
-    ``"sync"``, ``"eval"``, ``"dropped"`` …), which the controller logs as a metrics row.
+    """What actors tell the controller through the metrics port: ``kind`` is ``"busy"``
+    (``data``: rows ``(actor, label, start, end)``), ``"exited"``, ``"error"`` (``{"actor",
+    "error", "traceback"}``) or a ring's own row kind (``"step"``, ``"sync"`` …), logged as a row.
     """
 
     kind: str
@@ -61,7 +34,9 @@ class RingError(RuntimeError):
     """A ring actor failed; the message carries its name and traceback."""
 
 
-FINISH_TIMEOUT_S = 60.0  # default bound on each wait for a peer while a ring finishes
+def share(total: int, rank: int, k: int) -> int:
+    """Generator ``rank``'s share of ``total`` groups split as evenly as possible over ``k``."""
+    return total // k + (1 if rank < total % k else 0)
 
 
 async def _awaited(fut: Any) -> Any:
@@ -69,10 +44,8 @@ async def _awaited(fut: Any) -> Any:
 
 
 async def cancel_task(task: asyncio.Task | None, *, quiet: bool = False) -> None:
-    """Cancel ``task`` (if still running) and wait until it has finished.
-
-    ``quiet=True`` also swallows an ``Exception`` the task raises while it unwinds.
-    """
+    """Cancel ``task`` (if still running) and wait until it has finished; ``quiet=True`` also
+    swallows an ``Exception`` it raises while it unwinds."""
     if task is not None and not task.done():
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, *((Exception,) if quiet else ())):
@@ -101,11 +74,8 @@ class Busy:
 
 
 class Stage(Actor):
-    """Base of every ring actor: a background loop that reports crashes, and the metrics port.
-
-    Subclasses call :meth:`attach` in ``__init__`` (or once their name is known) and start
-    their loop with :meth:`launch`.
-    """
+    """Base of every ring actor: a background loop (:meth:`launch`) that reports a crash to the
+    controller through the metrics port (:meth:`attach`)."""
 
     name = "stage"
     quiet_cancel = False  # True: an exception while the loop unwinds after cancel is ignored
@@ -142,7 +112,7 @@ class Stage(Actor):
 
 
 class Source(Stage):
-    """A generator: its loop produces messages into ``out`` until the trainer drains it."""
+    """The ring's start (generators): its loop produces into ``out`` until the trainer drains it."""
 
     out: Any
 
@@ -155,14 +125,10 @@ class Source(Stage):
 
 
 class Sink(Stage):
-    """A stage with an inlet: other stages send to the port it returns.
+    """A stage that receives through an inlet port; the ring's end (the trainer). Each wait on a
+    peer while the ring ends is bounded, so a dead or stuck peer ends the run with a named error."""
 
-    Its finish path waits on peers that may have died, so every such wait is bounded by
-    ``finish_timeout_s`` (``timeout_field`` names where that value was set, for the error):
-    a dead or stuck peer ends the run with a :class:`RingError` that names it, not a hang.
-    """
-
-    finish_timeout_s: float = FINISH_TIMEOUT_S
+    finish_timeout_s = 60.0  # the bound; timeout_field names its setting in the error
     timeout_field = "finish_timeout_s"
     sender = "upstream"  # who feeds the inlet, for error messages
 
@@ -173,10 +139,9 @@ class Sink(Stage):
     async def inlet(self) -> Any:
         return self.port
 
-    async def drain_sources(self, sources: Any, count: int, prefix: str = "gen") -> None:
-        """Call ``drain`` on each of the ``count`` sources (rank ``r`` is ``{prefix}{r}``),
-        all at once; one that has not answered within ``finish_timeout_s`` is named."""
-        calls = {f"{prefix}{r}": asyncio.ensure_future(
+    async def drain_sources(self, sources: Any, count: int) -> None:
+        """Call ``drain`` on the ``count`` sources at once; name those that do not answer in time."""
+        calls = {f"gen{r}": asyncio.ensure_future(
             _awaited(sources.slice(gpus=r).drain.call_one())) for r in range(count)}
         t0 = time.monotonic()
         done, late = await asyncio.wait(calls.values(), timeout=self.finish_timeout_s)
@@ -193,9 +158,8 @@ class Sink(Stage):
             task.result()  # a drain that failed: its error, as it is
 
     async def recv_within(self, waiting: str, pending: Awaitable[Any] | None = None) -> Any:
-        """The next message (or ``pending``, a receive already under way), within
-        ``finish_timeout_s``; else :class:`RingError` naming the silent peer and ``waiting``
-        (what this stage was waiting for)."""
+        """The next message (or ``pending``, a receive under way) within ``finish_timeout_s``,
+        else a :class:`RingError` naming the silent peer and what was ``waiting``."""
         t0 = time.monotonic()
         try:
             return await asyncio.wait_for(
@@ -216,11 +180,8 @@ class Sink(Stage):
 
 
 class Relay(Sink):
-    """A middle stage: ``inlet → process(msg) → out``, forwarding one ``None`` at the end.
-
-    ``upstream`` is how many senders share the inlet (each ends with one ``None``);
-    ``label`` names the busy interval on the timeline.
-    """
+    """A middle stage (scorer, reference): ``inlet → process(msg) → out``; it forwards one ``None``
+    once each of its ``upstream`` senders has sent one. ``label`` names its busy intervals."""
 
     upstream = 1
     label = "work"
@@ -228,9 +189,7 @@ class Relay(Sink):
     @endpoint
     async def start(self, out: Any, finish_timeout_s: float | None = None,
                     timeout_field: str | None = None) -> None:
-        """Start relaying into ``out``; ``finish_timeout_s`` (default: the class's) bounds the
-        wait for the remaining senders once the first has ended its stream; ``timeout_field``
-        names the setting it came from in the error."""
+        """Start relaying into ``out`` (the optional arguments override the class's bound)."""
         if finish_timeout_s is not None:
             self.finish_timeout_s = finish_timeout_s
         if timeout_field is not None:
@@ -256,17 +215,13 @@ class Relay(Sink):
         self.report("exited", actor=self.name)
 
     async def process(self, msg: Any) -> Any:
-        """What this stage does to one message (returns the message to forward)."""
+        """What this stage does to one message; returns the message to forward."""
         raise NotImplementedError
 
 
 class Controller:
-    """Spawns a ring's stages, relays their events, watches for trouble, stops every mesh.
-
-    ``backend`` is ``"asyncio"`` (this process) or ``"monarch"`` (real processes); the same
-    actor classes run on both. ``here=True`` in :meth:`procs` puts actors in the controller's
-    own process (``this_proc()``), which on Monarch saves a process start.
-    """
+    """Spawns and wires a ring's stages, relays their events, watches for trouble, stops every
+    mesh; on ``"asyncio"`` (this process) or ``"monarch"`` (real processes)."""
 
     def __init__(self, backend_name: str = "asyncio", recorder: MetricsRecorder | None = None,
                  *, stop_timeout_s: float = 15.0) -> None:
@@ -279,7 +234,8 @@ class Controller:
         self._procs: list[Any] = []
 
     def procs(self, n: int = 1, *, here: bool = False) -> Any:
-        """A proc mesh of ``n`` processes (labelled ``gpus``), or this process."""
+        """A proc mesh of ``n`` processes (labelled ``gpus``), or this process (``here``: on
+        Monarch that saves a process start)."""
         procs = self.api.this_proc() if here else self.api.this_host().spawn_procs(
             per_host={"gpus": n})
         if not here:
@@ -292,6 +248,15 @@ class Controller:
         self._meshes.append(mesh)
         return mesh
 
+    async def wire(self, generators: Any, scorer: Any, reference: Any, trainer: Any,
+                   **relay_kwargs: Any) -> None:
+        """Start the stages back to front, so that every stage's output exists before anything
+        flows into it; ``relay_kwargs`` go to the relays' ``start``."""
+        await trainer.start.call_one(generators)
+        await reference.start.call_one(await trainer.inlet.call_one(), **relay_kwargs)
+        await scorer.start.call_one(await reference.inlet.call_one(), **relay_kwargs)
+        await generators.start.call()
+
     async def relay(self, until: Collection[str], *,
                     on_event: Callable[[Event], None] | None = None,
                     watchers: Sequence[Awaitable[Any]] = (),
@@ -299,10 +264,9 @@ class Controller:
                     ) -> dict[str, dict[str, Any]]:
         """Relay events until every actor named in ``until`` has exited; return their exit data.
 
-        ``"busy"`` rows and the ring's own rows go to the recorder, then to ``on_event``.
-        ``watchers`` run beside the relay: one that raises ends it with that exception (a dead
-        server), one that returns just ends (a Stop button that sent its message). An
-        ``"error"`` event raises :class:`RingError`, or what ``explain(event)`` returns.
+        Rows go to the recorder, then to ``on_event``. ``watchers`` race the events: one that
+        raises ends the relay with its exception (a dead server), one that returns just ends (a
+        Stop button). An ``"error"`` event raises :class:`RingError`, or ``explain(event)``.
         """
         waiting, exited = set(until), {}
         tasks = {asyncio.ensure_future(w) for w in watchers}
@@ -340,8 +304,8 @@ class Controller:
         return exited
 
     async def stop(self) -> None:
-        """Stop every actor mesh, then every proc mesh; a stop that hangs is reported, not
-        waited on for ever, and never keeps the others from stopping."""
+        """Stop every actor mesh, then every proc mesh; one that hangs or fails is reported and
+        keeps none of the others from stopping."""
         for mesh in [*reversed(self._meshes), *self._procs]:
             try:
                 await asyncio.wait_for(asyncio.ensure_future(_awaited(mesh.stop())),

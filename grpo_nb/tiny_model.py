@@ -1,30 +1,14 @@
-"""Build a tiny Qwen3 model and its character tokenizer locally, warm-started on arithmetic.
+"""A tiny Qwen3 model and its character tokenizer, built locally and warm-started on arithmetic.
 
-No model hub is needed: the tokenizer is built with ``tokenizers``, the model is a
-``Qwen3ForCausalLM`` from ``transformers`` (the architecture vLLM serves for real Qwen3
-checkpoints), and a short supervised fine-tune (SFT) teaches it the task *partly*::
-
-    TinyModelConfig ──key()──► <cache>/models/tiny-qwen3-<key>/   (cached: built once)
-          │                          ▲
-          ├─ char tokenizer ─────────┤ tokenizer.json, tokenizer_config.json
-          ├─ Qwen3Config ─► model ─┐ │
-          └─ tasks.make_dataset ───┴─► SFT until greedy test accuracy ≥ target
-                                     └ model.safetensors, config.json, grpo_nb_meta.json
-
-Why stop at 20–50 % accuracy: GRPO learns from groups whose samples disagree. A model that is
-always wrong (or always right) gives groups of equal rewards, whose advantages are all zero.
-Accuracy under SFT jumps suddenly, so SFT stops on an accuracy target measured often, not
-after a fixed number of steps.
-
-Vocabulary: 32 tokens — ``<pad> <eos> <unk>``, the ten digits, ``+ - =``, space, and reserved
-slots up to 32 — and the tokenizer's size equals the model's ``vocab_size`` (vLLM decodes an
-id past the tokenizer to ``""``).
+No hub: the tokenizer is built with ``tokenizers``, the model is a ``Qwen3ForCausalLM`` (what
+vLLM serves for real Qwen3 checkpoints), and a short SFT stops once the model solves some
+problems, not all: GRPO learns only from groups whose samples disagree. The result is cached
+by a hash of its config. The vocabulary's size equals the model's ``vocab_size`` (vLLM decodes
+an id past the tokenizer to ``""``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import fcntl
 import hashlib
 import json
@@ -46,15 +30,13 @@ _FORMAT_VERSION = 2  # bump when the build recipe changes, so old caches are not
 
 @dataclass
 class TinyModelConfig:
-    """Architecture, warm-start recipe and task of the tiny model (all part of the cache key).
+    """Architecture (sized for a 2-core CPU), warm-start recipe and task;
+    all of it is the cache key.
 
-    The architecture (≈ 0.3M parameters) is sized for a 2-core CPU. SFT draws a fresh batch
-    of ``batch_size`` problems every step (never a test problem), AdamW with ``lr`` after a
-    linear warm-up of ``warmup_steps``, until greedy accuracy on ``eval_size`` test problems
-    reaches ``target_acc`` (checked every ``eval_every`` steps, and after *every* step once
-    accuracy passes ``dense_eval_from``: it can climb 25 points in ten steps), at most
-    ``max_steps`` steps. The high ``lr`` with its warm-up is what lets accuracy take off within
-    a few hundred steps; a lower one without warm-up leaves it at 0 % for thousands.
+    SFT draws fresh training problems each step (AdamW, ``lr`` after a linear warm-up: a lower
+    one leaves accuracy at 0 % for thousands of steps) until greedy accuracy on ``eval_size``
+    test problems reaches ``target_acc``, checked every ``eval_every`` steps and after every
+    step once it passes ``dense_eval_from`` (from there it climbs within a few steps).
     """
 
     hidden_size: int = 128
@@ -78,22 +60,20 @@ class TinyModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.task, dict):
             self.task = ArithmeticTaskConfig(**self.task)
-        for name in ("hidden_size", "num_layers", "num_heads", "head_dim", "num_kv_heads",
-                     "ffn_size", "batch_size", "eval_every", "eval_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TinyModelConfig.{name}={getattr(self, name)}: must be ≥ 1")
+        for name, low in [("hidden_size", 1), ("num_layers", 1), ("num_heads", 1), ("head_dim", 1),
+                          ("num_kv_heads", 1), ("ffn_size", 1), ("batch_size", 1),
+                          ("eval_every", 1), ("eval_size", 1), ("max_steps", 0),
+                          ("warmup_steps", 0)]:
+            if getattr(self, name) < low:
+                raise ValueError(f"TinyModelConfig.{name}={getattr(self, name)}: must be ≥ {low}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"TinyModelConfig.num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
         if not 0.0 <= self.target_acc <= 1.0:
             raise ValueError(f"TinyModelConfig.target_acc={self.target_acc}: use 0..1")
-        if self.max_steps < 0:
-            raise ValueError(f"TinyModelConfig.max_steps={self.max_steps}: must be ≥ 0")
         if self.task.ops != ("+",):
             raise ValueError(f"TinyModelConfig.task.ops={self.task.ops}: the warm start "
                              "supports additions only (fixed-length answers)")
-        if self.warmup_steps < 0:
-            raise ValueError(f"TinyModelConfig.warmup_steps={self.warmup_steps}: must be ≥ 0")
         if self.lr <= 0:
             raise ValueError(f"TinyModelConfig.lr={self.lr}: must be > 0")
 
@@ -103,13 +83,8 @@ class TinyModelConfig:
         return cls()
 
     def key(self) -> str:
-        """A short hash of everything that changes the built files."""
         blob = json.dumps({"v": _FORMAT_VERSION, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def default_dir(cfg: TinyModelConfig) -> Path:
-    return cache_dir() / "models" / f"tiny-qwen3-{cfg.key()}"
 
 
 def build_tokenizer() -> Any:
@@ -123,9 +98,8 @@ def build_tokenizer() -> Any:
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # join characters without the spaces WordLevel would add
     core.add_special_tokens(list(SPECIALS))
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                  unk_token="<unk>")
     if len(tok) != VOCAB_SIZE:
         raise AssertionError(f"tokenizer has {len(tok)} tokens, expected {VOCAB_SIZE}")
     return tok
@@ -137,45 +111,22 @@ def build_model(cfg: TinyModelConfig, tokenizer: Any) -> Any:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=False,  # a separate lm_head is easier to inspect in weight sync
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        torch_dtype="float32",
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, torch_dtype="float32",
     )
     torch.manual_seed(cfg.seed)
     return Qwen3ForCausalLM(config)
 
 
-def _encode_split(split: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """``(prompt_ids [N, P], answer_ids_with_eos [N, A])``; every row has the same lengths."""
-    import torch
-
-    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in split["prompt"]]
-    answers = [tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
-               for a in split["answer"]]
-    if len({len(p) for p in prompts}) != 1 or len({len(a) for a in answers}) != 1:
-        raise ValueError("the tiny model's SFT expects fixed-length prompts and answers "
-                         "(zero-padded, additions only)")
-    return torch.tensor(prompts), torch.tensor(answers)
-
-
 def greedy_accuracy(model: Any, prompt_ids: Any, answer_ids: Any, batch: int = 1024) -> float:
-    """Fraction of prompts whose greedy continuation is exactly the answer then ``<eos>``.
-
-    Computed in one teacher-forced pass: greedy decoding reproduces the answer exactly when,
-    and only when, the argmax at every answer position (given the correct prefix) is the
-    correct token. That is ~5× cheaper than decoding token by token, which matters because
-    SFT evaluates often.
-    """
+    """Fraction of prompts whose greedy continuation is exactly the answer then ``<eos>``, in
+    one teacher-forced pass: greedy decoding reproduces the answer exactly when the argmax at
+    every answer position is the correct token (cheaper than decoding token by token)."""
     import torch
 
     was_training = model.training
@@ -191,42 +142,50 @@ def greedy_accuracy(model: Any, prompt_ids: Any, answer_ids: Any, batch: int = 1
     return correct / len(prompt_ids)
 
 
-def _digit_ids(x: Any, n: int, tokenizer: Any) -> Any:
-    """``[B] ints → [B, n]`` token ids of their zero-padded decimal digits."""
+def _additions(cfg: TinyModelConfig, tokenizer: Any, a: Any, b: Any) -> tuple[Any, Any]:
+    """``(input_ids, labels)`` of the problems ``a + b`` (``[B]`` ints): prompt, answer and
+    ``<eos>``, with the loss on the answer and ``<eos>`` only."""
     import torch
 
     zero = tokenizer.convert_tokens_to_ids("0")  # digits are consecutive ids
-    return torch.stack([(x // 10**k) % 10 for k in reversed(range(n))], dim=1) + zero
 
+    def digits(x: Any, n: int) -> Any:
+        return torch.stack([(x // 10**k) % 10 for k in reversed(range(n))], dim=1) + zero
 
-def _fresh_batch(cfg: TinyModelConfig, tokenizer: Any, gen: Any, excluded: Any) -> tuple[Any, Any]:
-    """A new batch of additions (none from the test split): ``(input_ids, labels)``."""
-    import torch
+    def col(token: str) -> Any:
+        return torch.full((len(a), 1), tokenizer.convert_tokens_to_ids(token))
 
-    d, size = cfg.task.digits, 10**cfg.task.digits
-    a = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
-    b = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
-    keep = ~excluded[a * size + b]
-    a, b = a[keep][: cfg.batch_size], b[keep][: cfg.batch_size]
-    col = lambda tok: torch.full((len(a), 1), tokenizer.convert_tokens_to_ids(tok))  # noqa: E731
-    seqs = torch.cat([_digit_ids(a, d, tokenizer), col("+"), _digit_ids(b, d, tokenizer),
-                      col("="), _digit_ids(a + b, d + 1, tokenizer), col("<eos>")], dim=1)
+    d = cfg.task.digits
+    seqs = torch.cat([digits(a, d), col("+"), digits(b, d), col("="), digits(a + b, d + 1),
+                      col("<eos>")], dim=1)
     labels = seqs.clone()
-    labels[:, : 2 * d + 2] = -100  # loss on the answer and <eos> only
+    labels[:, : 2 * d + 2] = -100
     return seqs, labels
 
 
+def _fresh_batch(cfg: TinyModelConfig, tokenizer: Any, gen: Any, excluded: Any) -> tuple[Any, Any]:
+    """A new batch of additions, none from the test split."""
+    import torch
+
+    size = 10**cfg.task.digits
+    a = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
+    b = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
+    keep = ~excluded[a * size + b]
+    return _additions(cfg, tokenizer, a[keep][: cfg.batch_size], b[keep][: cfg.batch_size])
+
+
 def _sft(cfg: TinyModelConfig, model: Any, tokenizer: Any, progress: bool) -> dict[str, Any]:
-    """Supervised warm start; returns a summary (steps, accuracy, time)."""
     import torch
     from tqdm.auto import tqdm
 
     test = make_dataset(cfg.task)["test"]
-    test_p, test_a = _encode_split(test, tokenizer)
+    a, b = torch.tensor(test["a"]), torch.tensor(test["b"])
+    seqs, _ = _additions(cfg, tokenizer, a, b)
+    test_p, test_a = seqs[:, : 2 * cfg.task.digits + 2], seqs[:, 2 * cfg.task.digits + 2 :]
     eval_p, eval_a = test_p[: cfg.eval_size], test_a[: cfg.eval_size]
     size = 10**cfg.task.digits
     excluded = torch.zeros(size * size, dtype=torch.bool)
-    excluded[torch.tensor(test["a"]) * size + torch.tensor(test["b"])] = True
+    excluded[a * size + b] = True
 
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -253,29 +212,13 @@ def _sft(cfg: TinyModelConfig, model: Any, tokenizer: Any, progress: bool) -> di
                     break
     finally:
         bar.close()
-    return {
-        "steps": step,
-        "eval_accuracy": acc,
-        "test_accuracy": greedy_accuracy(model, test_p, test_a),
-        "sft_seconds": round(time.perf_counter() - t0, 2),
-        "history": history,
-    }
-
-
-@contextlib.contextmanager
-def _lock(path: Path):
-    """Only one process builds a given model; the others wait, then load the result."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return {"steps": step, "eval_accuracy": acc, "history": history,
+            "test_accuracy": greedy_accuracy(model, test_p, test_a),
+            "sft_seconds": round(time.perf_counter() - t0, 2)}
 
 
 def build(cfg: TinyModelConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
-    """Build tokenizer + model, warm-start it, and ``save_pretrained`` both into ``out_dir``."""
+    """Build the tokenizer and model, warm-start it, and save both into ``out_dir``."""
     import torch
     from transformers import GenerationConfig
 
@@ -290,36 +233,28 @@ def build(cfg: TinyModelConfig, out_dir: Path, *, progress: bool = True) -> dict
     finally:
         torch.set_num_threads(threads)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    meta = {
-        "config": asdict(cfg),
-        "key": cfg.key(),
-        "params": sum(p.numel() for p in model.parameters()),
-        "torch": torch.__version__,
-        **summary,
-    }
+    meta = {"config": asdict(cfg), "key": cfg.key(), "torch": torch.__version__,
+            "params": sum(p.numel() for p in model.parameters()), **summary}
     (out_dir / "grpo_nb_meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 
 
 def build_or_load(cfg: TinyModelConfig | None = None, *, progress: bool = True,
                   out_dir: Path | str | None = None) -> Path:
-    """The folder of the tiny model for ``cfg``: built on first use, then loaded from cache.
-
-    The folder loads with ``AutoModelForCausalLM.from_pretrained`` /
-    ``AutoTokenizer.from_pretrained`` and with ``vllm serve``. A build writes into a temporary
-    sibling folder and renames it at the end, so an interrupted build never leaves a folder
-    that looks finished.
-    """
+    """The folder of the tiny model for ``cfg`` (loads with transformers and ``vllm serve``):
+    built on first use by one process while others wait, into a temporary sibling renamed at
+    the end (an interrupted build never looks finished), then loaded from the cache."""
     cfg = cfg or TinyModelConfig()
-    final = Path(out_dir) if out_dir is not None else default_dir(cfg)
+    final = Path(out_dir or cache_dir() / "models" / f"tiny-qwen3-{cfg.key()}")
     if (final / "grpo_nb_meta.json").is_file():
         return final
-    with _lock(final.with_name(final.name + ".lock")):
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with final.with_name(final.name + ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if (final / "grpo_nb_meta.json").is_file():  # another process built it meanwhile
             return final
         tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
@@ -334,8 +269,7 @@ def build_or_load(cfg: TinyModelConfig | None = None, *, progress: bool = True,
 
 
 def is_tiny_model(model: Path | str | None) -> bool:
-    """Whether ``model`` is this module's tiny character model: ``None`` (built or loaded
-    from the cache on demand) or a folder :func:`build_or_load` wrote."""
+    """Whether ``model`` is the tiny model: ``None`` (built on demand) or a folder it wrote."""
     return model is None or (Path(model).expanduser() / "grpo_nb_meta.json").is_file()
 
 
@@ -351,10 +285,3 @@ def load_hf(model_dir: Path | str) -> tuple[Any, Any]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(model_dir)
-
-
-def clone_config(cfg: TinyModelConfig, **changes: Any) -> TinyModelConfig:
-    """A copy of ``cfg`` with some fields changed (validated again)."""
-    data = copy.deepcopy(asdict(cfg))
-    data.update(changes)
-    return TinyModelConfig(**data)

@@ -9,6 +9,7 @@ process of any server this test process started is still alive. Tests marked
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,9 +91,11 @@ def _no_vllm_left_behind() -> Iterator[None]:
     import sys
 
     serving = sys.modules.get("grpo_nb.serving.server")
-    if serving is None or not serving.STARTED_IDS:
+    if serving is None:
         return
-    left = [p.pid for p in serving.find_server_processes()]
+    from grpo_nb.serving.processes import owned_by
+
+    left = [p.pid for p in owned_by(os.getpid())]
     forgotten = [s for s in list(serving._LIVE) if s.is_running()]
     for server in forgotten:  # a test that forgot stop(): clean up, then fail
         server.stop()

@@ -8,12 +8,10 @@ a dev-mode server refuses any non-loopback host.
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient
@@ -22,15 +20,10 @@ from grpo_nb.serving.server import VLLMServer
 
 def status(url: str, data: dict | None = None, key: str | None = None) -> int:
     """The HTTP status of a GET (or a JSON POST when ``data`` is given)."""
-    req = urllib.request.Request(url, data=None if data is None else json.dumps(data).encode(),
-                                 headers={"Content-Type": "application/json"})
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if data is None:
+        return httpx.get(url, headers=headers, timeout=30).status_code
+    return httpx.post(url, json=data, headers=headers, timeout=30).status_code
 
 
 def check_keyed_server(key: str, info: dict[str, Any], procs: list[Any]) -> None:

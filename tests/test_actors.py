@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -127,7 +128,7 @@ def test_send_with_port_collects_results_and_errors() -> None:
         send(mesh.nap, (0,), {}, port=port)
         assert sorted([await receiver.recv(), await receiver.recv()]) == [0, 1]
         send(mesh.fail, (), {}, port=port, selection="choose")
-        with pytest.raises(ActorError):
+        with pytest.raises(ActorError, match="deep_inside"):  # the remote traceback travels too
             await receiver.recv()
         with pytest.raises(ValueError, match="selection"):
             send(mesh.nap, (0,), {}, selection="some")
@@ -155,6 +156,32 @@ def test_ports_are_ordered_copied_and_once() -> None:
         with pytest.raises(ValueError, match="once"):
             once.send(2)
         assert await once_recv.recv() == 1
+
+    run(main())
+
+
+class Unsendable(Actor):
+    @endpoint
+    async def lock(self) -> object:
+        return threading.Lock()
+
+    @endpoint
+    async def raise_lock(self) -> None:
+        raise RuntimeError(threading.Lock())
+
+    @endpoint
+    async def ok(self) -> int:
+        return 1
+
+
+def test_unpicklable_result_or_error_reaches_the_caller_and_the_actor_lives_on() -> None:
+    async def main() -> None:
+        actor = this_proc().spawn("u", Unsendable)
+        for method in (actor.lock, actor.raise_lock):
+            with pytest.raises(ActorError, match="cannot be sent"):
+                await asyncio.wait_for(_await(method.call_one()), 5)
+        assert await asyncio.wait_for(_await(actor.ok.call_one()), 5) == 1
+        await actor.stop()
 
     run(main())
 

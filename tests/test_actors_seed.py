@@ -81,42 +81,42 @@ def build_ring(api: ModuleType) -> SimpleNamespace:
         async def __cleanup__(self, exc) -> None:
             await self.halt()
 
-    class Score(api.Actor):
+    class Relay(api.Actor):
+        """Receives samples, fills in one field (``fill``), passes them on; ``None`` ends it."""
+
         def __init__(self):
             self.port, self.inbox = api.Channel.open()
+
+        @api.endpoint
+        async def inlet(self):
+            return self.port
+
+        @api.endpoint
+        async def run(self, out) -> None:
+            while (s := await self.inbox.recv()) is not None:
+                with torch.no_grad():
+                    self.fill(s)
+                out.send(s)
+            out.send(None)
+
+    class Score(Relay):
+        def __init__(self):
+            super().__init__()
             torch.manual_seed(1)
             self.judge = nn.Sequential(nn.Linear(OBS + 1, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1))
 
-        @api.endpoint
-        async def inlet(self):
-            return self.port
+        def fill(self, s: Sample) -> None:
+            feats = torch.cat([s.obs.expand(GROUP, OBS), s.acts.float()[:, None]], dim=-1)
+            s.reward = self.judge(feats).squeeze(-1)
 
-        @api.endpoint
-        async def run(self, out) -> None:
-            while (s := await self.inbox.recv()) is not None:
-                feats = torch.cat([s.obs.expand(GROUP, OBS), s.acts.float()[:, None]], dim=-1)
-                with torch.no_grad():
-                    s.reward = self.judge(feats).squeeze(-1)
-                out.send(s)
-            out.send(None)
-
-    class Ref(api.Actor):
+    class Ref(Relay):
         def __init__(self, state: dict):
+            super().__init__()
             self.net = policy_net()
             self.net.load_state_dict(state)
-            self.port, self.inbox = api.Channel.open()
 
-        @api.endpoint
-        async def inlet(self):
-            return self.port
-
-        @api.endpoint
-        async def run(self, out) -> None:
-            while (s := await self.inbox.recv()) is not None:
-                with torch.no_grad():
-                    s.ref_logp = Categorical(logits=self.net(s.obs)).log_prob(s.acts)
-                out.send(s)
-            out.send(None)
+        def fill(self, s: Sample) -> None:
+            s.ref_logp = Categorical(logits=self.net(s.obs)).log_prob(s.acts)
 
     class Learn(api.Actor):
         def __init__(self, steps: int, done):

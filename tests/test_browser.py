@@ -3,7 +3,9 @@
 Data flow::
 
     notebooks/ ──copy──► tmp/notebooks (+ a fixture) ──► JupyterLab (this venv, loopback, token,
-                                                           GRPO_NB_SMOKE=1 for its kernels)
+                                                           GRPO_NB_SMOKE=1 and, so that every
+                                                           exercise checker runs its solution,
+                                                           GRPO_NB_SOLUTIONS=1 for its kernels)
     Playwright ──► /usr/bin/chromium ──► open NN.ipynb ──► run all ──► screenshots + checks
                                                                       └─► build/browser/*.png
 
@@ -43,8 +45,10 @@ pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "build" / "browser"
-# notebook → whether its check drags a slider (else: its live plot must change while it runs)
-IN_BROWSER = {"02_toy_grpo_ring.ipynb": False, "03_grpo_objective.ipynb": True}
+# notebook → what it must show: a live plot that changes while its cell runs, a slider whose
+# drag redraws its plot and, where given, a printed line (by its start) that the drag changes
+IN_BROWSER = {"02_toy_grpo_ring.ipynb": ("live plot", "slider", "predicted speed-up"),
+              "03_grpo_objective.ipynb": ("slider",)}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,7 @@ def lab_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[JupyterS
     SHOTS.mkdir(parents=True, exist_ok=True)  # not wiped: xdist workers may share it
     print(f"\n[browser] screenshots: {SHOTS}")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    env = {**os.environ, "GRPO_NB_SMOKE": "1", **lab_settings(root)}
+    env = {**os.environ, "GRPO_NB_SMOKE": "1", "GRPO_NB_SOLUTIONS": "1", **lab_settings(root)}
     with (
         JupyterServer(nb_dir, SHOTS / f"jupyter-{worker}.log", env=env) as server,
         tempfile.TemporaryDirectory() as profile,
@@ -135,6 +139,18 @@ def _drag_first_slider(lab: LabPage, name: str) -> tuple[Path, Path]:
     return before, after
 
 
+def _lines_of_slider_cell(lab: LabPage, start: str) -> list[str]:
+    """The lines starting with ``start`` that the slider's cell prints (scrolled into view:
+    JupyterLab does not render the text of cells out of view)."""
+    index = next(c["index"] for c in lab.cells() if c["sliders"] and c["images"])
+    lab.page.locator(".jp-Notebook .jp-Cell").nth(index).scroll_into_view_if_needed()
+    deadline = time.monotonic() + 30
+    while not (lines := [ln for ln in lab.cells()[index]["text"].splitlines() if ln.startswith(start)]):
+        assert time.monotonic() < deadline, f"the slider's cell prints no line starting {start!r}"
+        time.sleep(0.3)
+    return sorted(set(lines))  # a widget's output area sits inside the cell's: its text twice
+
+
 def test_fixture_checks_can_fail(lab: LabPage) -> None:
     """The checks on a fixture: live plot and slider work, its deliberate error is caught."""
     lab.open("zz_fixture.ipynb")
@@ -150,8 +166,8 @@ def test_fixture_checks_can_fail(lab: LabPage) -> None:
     assert _widget_failures([{**cells[0], "text": "interactive(children=(FloatSlider(v"}])
 
 
-@pytest.mark.parametrize(("notebook", "slider"), list(IN_BROWSER.items()))
-def test_notebook_in_jupyterlab(lab: LabPage, notebook: str, slider: bool) -> None:
+@pytest.mark.parametrize(("notebook", "checks"), list(IN_BROWSER.items()))
+def test_notebook_in_jupyterlab(lab: LabPage, notebook: str, checks: tuple[str, ...]) -> None:
     if not (REPO / "notebooks" / notebook).exists():
         pytest.fail(f"notebooks/{notebook} does not exist yet")
     name = notebook.split("_")[0]
@@ -161,13 +177,19 @@ def test_notebook_in_jupyterlab(lab: LabPage, notebook: str, slider: bool) -> No
     cells = lab.cells()
     assert _errors(cells) == [], f"{notebook}: cells show errors"
     assert _widget_failures(cells) == [], f"{notebook}: widgets did not render"
-    if not slider:
+    if "live plot" in checks:
         _assert_live_plot(plots, name)
         assert sum(c["widgets"] for c in cells) > 0, f"{notebook}: no widget rendered"
-    else:
+    if "slider" in checks:
+        printed = set(checks) - {"live plot", "slider"}  # lines the drag must change
+        shown = {start: _lines_of_slider_cell(lab, start) for start in printed}
         before, after = _drag_first_slider(lab, name)
         print(f"[browser] {name}: slider moved: {before.name}, {after.name}")
         assert _errors(lab.cells()) == [], f"{notebook}: moving the slider raised"
+        for start, lines in shown.items():
+            moved = _lines_of_slider_cell(lab, start)
+            assert lines != moved, f"{notebook}: {start!r} did not change: {lines}"
+            print(f"[browser] {name}: {lines} -> {moved}")
 
 
 def test_nbtest_runs_every_notebook_not_run_here() -> None:

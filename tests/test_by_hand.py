@@ -14,8 +14,8 @@ from grpo_nb.llm.by_hand import (  # noqa: E402
     served_logprobs,
     token_loss_problems,
 )
-from grpo_nb.llm.trainer import make_batch  # noqa: E402
-from grpo_nb.serving.rollouts import Group, Rollout  # noqa: E402
+from grpo_nb.llm.data import Group, Rollout  # noqa: E402
+from grpo_nb.llm.policy import make_batch  # noqa: E402
 
 
 class _Chars:
@@ -101,12 +101,10 @@ class _FakeControl:
     def model_name(self) -> str:
         return "m"
 
-    def completions(self, body: dict) -> dict:
-        self.bodies.append(body)
-        seq = body["prompt"]
-        # vLLM's format: None for the first token, then {token_id: {"logprob": …}} per position
-        entries = [None] + [{str(tok): {"logprob": -float(i)}} for i, tok in enumerate(seq)][1:]
-        return {"choices": [{"prompt_logprobs": entries}]}
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        self.bodies.extend(sequences)
+        # the served log-prob of token i given the ones before it: -i here
+        return [[-float(i) for i in range(1, len(seq))] for seq in sequences]
 
 
 class _FakeSyncer:
@@ -118,5 +116,4 @@ def test_served_logprobs_score_exactly_the_completion_tokens() -> None:
     syncer = _FakeSyncer()
     out = served_logprobs(syncer, _group().rollouts)
     assert [t.tolist() for t in out] == [[-3.0, -4.0], [-3.0, -4.0, -5.0, -6.0]]
-    assert syncer.client.bodies[1]["prompt"] == [1, 2, 3, 6, 7, 8, 9]
-    assert syncer.client.bodies[1]["prompt_logprobs"] == 0
+    assert syncer.client.bodies[1] == [1, 2, 3, 6, 7, 8, 9]

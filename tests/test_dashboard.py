@@ -170,3 +170,4 @@ def test_shipped_recordings_are_small_and_replot() -> None:
     assert recorded_run(RECORDED / "nb05-sync")[0].staleness_mean == 0.0
     stale0 = recorded_run(RECORDED / "nb05-stale0")[0]
     assert stale0.stale_dropped > 0 and stale0.staleness_mean == 0.0
+

@@ -40,10 +40,10 @@ def _cfg(**changes: Any) -> LLMConfig:
 
 def _gone(server: Any, within_s: float = 15.0) -> float:
     """Seconds until no process of ``server`` is left (fails after ``within_s``)."""
-    from grpo_nb.serving.server import find_server_processes
+    from grpo_nb.serving.processes import marked_processes
 
     start = time.monotonic()
-    while (left := find_server_processes([server.server_id])) and \
+    while (left := marked_processes([server.server_id])) and \
             time.monotonic() - start < within_s:
         time.sleep(0.2)
     assert not left, f"server processes left: {[p.pid for p in left]}"
@@ -51,9 +51,9 @@ def _gone(server: Any, within_s: float = 15.0) -> float:
 
 
 def _kill(server: Any) -> None:
-    from grpo_nb.serving.server import find_server_processes
+    from grpo_nb.serving.processes import marked_processes
 
-    for p in find_server_processes([server.server_id]):
+    for p in marked_processes([server.server_id]):
         p.kill()
 
 
@@ -65,7 +65,7 @@ def _train(cfg: LLMConfig, model_dir: Path, server: Any, name: str, **kw: Any) -
 
 
 def _load_checkpoint(folder: Path, model_dir: Path) -> dict[str, Any]:
-    from grpo_nb.llm.trainer import PolicyTrainer
+    from grpo_nb.llm.policy import PolicyTrainer
     from grpo_nb.tiny_model import load_hf
 
     model, tok = load_hf(model_dir)
@@ -106,8 +106,8 @@ def test_a_config_that_could_never_admit_a_group_fails_before_any_server(runs: P
 
 def test_nan_loss_is_skipped_counted_and_the_run_goes_on(ring_server, tiny_model_dir, runs,
                                                          monkeypatch) -> None:
+    from grpo_nb.llm.policy import PolicyTrainer
     from grpo_nb.llm.run import RunAborted
-    from grpo_nb.llm.trainer import PolicyTrainer
     from grpo_nb.metrics import load_metrics
 
     real, calls = PolicyTrainer._micro_loss, {"n": 0, "nan_from": 2, "nan_to": 2}

@@ -59,25 +59,19 @@ def _bodies(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 def test_ring_and_rollout_requests_set_every_sampling_field(monkeypatch) -> None:
     """A Qwen3 folder's defaults (top_k 20, top_p 0.95, T 0.6) never reach the sampler: the
-    ring's and the rollouts' requests, read by vLLM's own CompletionRequest with those
-    defaults, sample the full distribution at the configured temperature."""
+    sampler's requests (the ring's and notebook 04's), read by vLLM's CompletionRequest with
+    those defaults, sample the full distribution at the configured temperature."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from grpo_nb.llm.actors import sampling_request
     from grpo_nb.llm.config import LLMConfig
-    from grpo_nb.serving import rollouts
+    from grpo_nb.llm.data import Prompt
+    from grpo_nb.llm.rollouts import sample_group
 
     sent = _bodies(monkeypatch)
     client = CompletionsClient("http://127.0.0.1:9/v1", "m")
-
-    async def both() -> None:
-        await client.complete([1, 2], **sampling_request(LLMConfig(temperature=0.7), 3))
-        await rollouts.generate_group(client, {"prompt": "q", "answer": "7"}, 2,
-                                      prompt_ids=[1, 2],
-                                      sampling=rollouts.SamplingConfig(temperature=0.7))
-
-    asyncio.run(both())
-    assert len(sent) == 3  # one ring request (n = group_size), two rollout samples (n = 1)
+    asyncio.run(sample_group(client, Prompt("q", [1, 2], "7"), LLMConfig(temperature=0.7),
+                             lambda: 3))
+    assert len(sent) == 1 and sent[0]["n"] == LLMConfig().group_size  # one request a group
     auto = _qwen3_defaults("auto")
     assert auto["top_k"] == 20 and auto["top_p"] == 0.95  # what the folder would impose
     for body in sent:

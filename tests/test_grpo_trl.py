@@ -75,6 +75,14 @@ def _documented_advantages(rewards: list[float], g: int) -> list[float]:
     return out
 
 
+def _our_loss(logp, old, ref, mask, adv, loss_type, **kwargs):
+    """``grpo.policy_loss`` with the settings of the TRL loss it is compared with
+    (``max_tokens``: TRL's max_completion_length)."""
+    return policy_loss(logp, old, adv, mask, clip_low=EPS_LOW, clip_high=EPS_HIGH,
+                       loss_agg=TRL_AGG[loss_type], max_tokens=logp.shape[1], ref_logprobs=ref,
+                       kl_coef=BETA, kl_kind="k3", **kwargs)
+
+
 @pytest.mark.parametrize("loss_type", list(TRL_AGG))
 def test_matches_trl_documented_formulas(loss_type):
     logp, old, ref, mask, rewards = _random_batch(0)
@@ -82,19 +90,7 @@ def test_matches_trl_documented_formulas(loss_type):
     expected_adv = _documented_advantages(rewards.tolist(), 3)
     # TRL keeps the tiny (r - mean) / 1e-4 of a zero-std group; both are 0 for exactly equal rewards
     assert adv.tolist() == pytest.approx(expected_adv, abs=1e-5)
-    loss, _ = policy_loss(
-        logp,
-        old,
-        adv,
-        mask,
-        clip_low=EPS_LOW,
-        clip_high=EPS_HIGH,
-        loss_agg=TRL_AGG[loss_type],
-        max_tokens=logp.shape[1],
-        ref_logprobs=ref,
-        kl_coef=BETA,
-        kl_kind="k3",
-    )
+    loss, _ = _our_loss(logp, old, ref, mask, adv, loss_type)
     expected = _documented_loss(
         logp.tolist(),
         old.tolist(),
@@ -162,19 +158,7 @@ def test_matches_trl_code(loss_type, tis):
     tis_kw = {"sampler_logprobs": sampler, "tis_cap": cap} if tis else {}
 
     ours_lp = logp.clone().requires_grad_()
-    ours, metrics = policy_loss(
-        ours_lp,
-        old,
-        adv,
-        mask,
-        clip_low=EPS_LOW,
-        clip_high=EPS_HIGH,
-        loss_agg=TRL_AGG[loss_type],
-        max_tokens=logp.shape[1],  # TRL's max_completion_length in _trl_loss
-        ref_logprobs=ref,
-        kl_coef=BETA,
-        **tis_kw,
-    )
+    ours, metrics = _our_loss(ours_lp, old, ref, mask, adv, loss_type, **tis_kw)
     ours.backward()
     trl_lp = logp.clone().requires_grad_()
     theirs, trl_metrics = _trl_loss(trl_lp, old, ref, mask, adv, loss_type, is_ratio)

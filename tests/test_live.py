@@ -14,9 +14,9 @@ from grpo_nb.metrics import MetricsRecorder  # noqa: E402
 
 def fake_run(rec: MetricsRecorder, steps: int = 20) -> None:
     for i in range(steps):
-        rec.log("step", step=i + 1, reward=i / steps, expected_reward=i / steps, loss=0.1, kl=0.01 * i,
-                clip_frac=0.0, staleness=[i % 3, 0], queue_depth=1, entropy=1.4 - i / steps,
-                zero_std_frac=0.5)
+        rec.log("step", t=i * 0.1, tokens=64, step=i + 1, reward=i / steps,
+                expected_reward=i / steps, loss=0.1, kl=0.01 * i, clip_frac=0.0,
+                staleness=[i % 3, 0], queue_depth=1, entropy=1.4 - i / steps, zero_std_frac=0.5)
         rec.log("busy", actor="trainer", label="train", start=i * 0.1, end=i * 0.1 + 0.05)
         rec.log("busy", actor="gen0", label="generate", start=i * 0.1, end=i * 0.1 + 0.09)
 
@@ -61,7 +61,10 @@ def test_load_run_replots_a_finished_run(tmp_path) -> None:
         live.load_run(tmp_path / "missing")
 
 
-def test_live_plot_updates_in_place_and_throttles(monkeypatch) -> None:
+@pytest.mark.parametrize("dashboard", [False, True], ids=["toy", "llm"])
+def test_live_plot_updates_in_place_and_throttles(monkeypatch, dashboard) -> None:
+    from grpo_nb.llm.dashboard import LiveDashboard
+
     updates: list[object] = []
 
     class Handle:
@@ -71,9 +74,13 @@ def test_live_plot_updates_in_place_and_throttles(monkeypatch) -> None:
     monkeypatch.setattr("IPython.display.display", lambda *a, **k: Handle())
     rec = MetricsRecorder(None)
     fake_run(rec, 5)
-    plot = live.LivePlot(every_s=60)
+    plot = LiveDashboard(every_s=60, button=False) if dashboard else live.LivePlot(every_s=60)
     plot.update(rec)
     plot.update(rec)  # within every_s: skipped
+    if dashboard:  # as train()'s on_event: only step and eval rows redraw
+        plot("busy", rec)
+        plot("step", rec)
+        assert not plot.stop.is_set()
     plot.close(rec)  # the final frame is always drawn
     assert plot.frames == 2 and len(updates) == 2
     assert all(u.data[:4] == b"\x89PNG" for u in updates)

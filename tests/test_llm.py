@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from grpo_nb.llm.config import LLMConfig
-from grpo_nb.llm.trainer import PolicyTrainer, make_batch
-from grpo_nb.serving.rollouts import Group, Rollout
+from grpo_nb.llm.data import Group, Rollout
+from grpo_nb.llm.policy import PolicyTrainer, make_batch
 
 # ── config ──
 
@@ -47,6 +47,7 @@ from grpo_nb.serving.rollouts import Group, Rollout
     ({"dual_clip": 1.1}, "dual_clip"),
     ({"max_grad_norm": 0.0}, "max_grad_norm"),
     ({"error_budget": -1}, "error_budget"),
+    ({"adv_scale": "mean"}, "LLMConfig.adv_scale"),
 ])
 def test_bad_config_names_the_field(changes: dict, field: str) -> None:
     with pytest.raises(ValueError, match=re.escape(field)):
@@ -59,11 +60,61 @@ def test_staleness_at_the_limit_of_the_sync_interval_is_accepted() -> None:
     assert LLMConfig(ratio_against="trainer", tis_cap=2.0).tis_cap == 2.0
 
 
+def test_admission_keeps_groups_up_to_max_staleness_and_replaces_the_dropped() -> None:
+    """``admit`` is the rule; the trainer drops an older group (counted) and issues one more
+    credit in its place, so the step still gets its groups."""
+    from types import SimpleNamespace
+
+    from grpo_nb.actors import Channel
+    from grpo_nb.llm.actors import Trainer, admit
+
+    assert admit(5, 3, 2) and admit(5, 5, 0) and not admit(5, 2, 2)
+
+    async def main() -> tuple[list[int], int, int, list[str]]:
+        t = object.__new__(Trainer)
+        port, t.inbox = Channel.open()
+        t.cfg = LLMConfig(prompts_per_step=2, max_staleness=1)
+        t.stopping, t.next_msg, t.deadline = asyncio.Event(), None, None
+        t.pt, t.received, t.dropped, t.issued = SimpleNamespace(step_count=3, version=3), 0, 0, 2
+        reported: list[str] = []
+        t.report = lambda kind, **_: reported.append(kind)
+        credits = SimpleNamespace(progress=SimpleNamespace(broadcast=lambda v, n: None))
+        for version in (2, 1, 3):  # 1 is two versions old: dropped
+            port.send(SimpleNamespace(policy_version=version))
+        groups = await asyncio.wait_for(t._collect(credits), 5.0)
+        return [g.policy_version for g in groups], t.dropped, t.issued, reported
+
+    assert asyncio.run(main()) == ([2, 3], 1, 3, ["dropped"])
+
+
+def test_scorer_sets_rewards_then_advantages_at_the_configured_scale() -> None:
+    """``adv_scale="std"`` divides by the group's std (GRPO); ``"none"`` only centres
+    (Dr. GRPO); a completion cut at max_tokens scores 0."""
+    from grpo_nb.llm.actors import Scorer
+    from grpo_nb.tasks import make_reward
+
+    def scored(scale: str) -> list[float]:
+        scorer = object.__new__(Scorer)
+        scorer.cfg, scorer.reward = LLMConfig(group_size=4, adv_scale=scale), make_reward("exact")
+        group = _group([1], [[5]] * 4, [0.0] * 4)
+        group.answer = "7"
+        for r, (text, finish) in zip(group.rollouts, [("7", "stop"), ("7", "stop"),
+                                                      ("8", "stop"), ("7", "length")],
+                                     strict=True):
+            r.completion_text, r.finish_reason = text, finish
+        out = asyncio.run(scorer.process(group))
+        assert out.rewards == [1.0, 1.0, 0.0, 0.0]
+        return out.advantages
+
+    assert scored("none") == pytest.approx([0.5, 0.5, -0.5, -0.5])
+    assert scored("std") == pytest.approx([0.866, 0.866, -0.866, -0.866], abs=1e-3)
+
+
 def test_generators_salt_each_request_with_its_policy_version() -> None:
     """vLLM reuses cached prompt KV only under the same salt: without it, after a sync without
     /pause, a new request could start from KV the old weights computed."""
-    from grpo_nb.llm.actors import sampling_request
-    from grpo_nb.weight_sync import policy_salt
+    from grpo_nb.llm.rollouts import sampling_request
+    from grpo_nb.serving.client import policy_salt
 
     cfg = LLMConfig()
     assert cfg.sync.pause_mode == "none"  # the ring's default: such syncs happen
@@ -102,7 +153,7 @@ def test_make_batch_pads_and_masks_only_completion_tokens() -> None:
 
 
 def test_trainer_step_moves_probability_towards_rewarded_completion(random_model_dir) -> None:
-    from grpo_nb.llm.trainer import sequence_logprobs
+    from grpo_nb.grpo import sequence_logprobs
     from grpo_nb.tiny_model import load_hf
 
     model, tok = load_hf(random_model_dir)
@@ -131,7 +182,7 @@ def test_step_row_reports_entropy_truncation_and_groups_without_signal(random_mo
     completion tokens were drawn from (at the sampling temperature, prompt and padding left
     out, a token-mean over micro-batches whatever loss_agg weighs), the fraction cut at
     max_tokens, the fraction of groups with all rewards equal, the mean completion length."""
-    from grpo_nb.llm.trainer import next_token_logits
+    from grpo_nb.grpo import next_token_logits
     from grpo_nb.tiny_model import load_hf
 
     model, tok = load_hf(random_model_dir)
@@ -386,10 +437,10 @@ def test_time_budget_is_honoured_while_waiting_for_admission() -> None:
     async def main() -> float:
         trainer = object.__new__(Trainer)  # only the admission state, no model or server
         port, trainer.inbox = Channel.open()
-        trainer.stopping, trainer.next_msg = asyncio.Event(), None
+        trainer.cfg, trainer.stopping, trainer.next_msg = LLMConfig(), asyncio.Event(), None
         trainer.deadline = time.time() + 0.3
         start = time.monotonic()
-        got = await asyncio.wait_for(trainer._receive_unless_stopping(), 5.0)
+        got = await asyncio.wait_for(trainer._collect(None), 5.0)
         waited = time.monotonic() - start
         assert got is None and trainer.next_msg is not None
         port.send("late group")
@@ -441,7 +492,7 @@ def test_sampler_and_trainer_logprobs_agree_at_temperature_0_7(vllm_server,
                                                                tiny_model_dir) -> None:
     """The server serves the model file's weights. The PPO ratio divides the trainer's log-prob
     at T by the sampler's: both must be post-temperature, or fresh samples have ratio ≠ 1."""
-    from grpo_nb.llm.trainer import sequence_logprobs
+    from grpo_nb.grpo import sequence_logprobs
     from grpo_nb.serving.client import CompletionsClient
     from grpo_nb.tiny_model import load_hf
 

@@ -25,8 +25,9 @@ from grpo_nb.llm import placement
 from grpo_nb.llm.cli import apply_sets, parse_config
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Prompt, load_data
-from grpo_nb.llm.evaluate import answer_checker, greedy_accuracy
+from grpo_nb.llm.rollouts import greedy_accuracy
 from grpo_nb.serving.processes import owned_by
+from grpo_nb.tasks import make_reward
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -242,25 +243,24 @@ def test_thinking_is_off_when_the_chat_template_knows_enable_thinking(realistic)
 
 def test_rollouts_cli_server_context_holds_the_prompt_and_max_tokens(realistic) -> None:
     """``rollouts --smoke --model DIR --dataset FILE`` sized its server's context (256) and
-    its requests' max_tokens (512) in two places: every request got HTTP 400. Both come from
-    one LLMConfig now, as in training."""
+    its requests' max_tokens (512): both come from one LLMConfig, as in training."""
     from transformers import AutoTokenizer
 
-    from grpo_nb.serving import cli as rollouts_cli
-    from grpo_nb.tasks import render_prompt
+    from grpo_nb.llm import rollouts as rollouts_cli
+    from grpo_nb.llm.data import load_data
 
     tok = AutoTokenizer.from_pretrained(realistic.model)
     base = ["--smoke", "--model", realistic.model, "--dataset", realistic.data]
     for extra, max_tokens in (([], 256), (["--max-tokens", "512"], 512)):
-        cfg, rows = rollouts_cli.plan(rollouts_cli._parser().parse_args(base + extra))
-        kept = rollouts_cli.fitting(rows, tok, cfg.max_prompt_len)
+        cfg = rollouts_cli.plan(rollouts_cli._parser().parse_args(base + extra))
+        kept = load_data(tok, cfg, smoke=True).test  # what the CLI samples
         scfg = rollouts_cli.server_config(cfg, smoke=True)
         assert cfg.max_tokens == max_tokens and kept
-        assert scfg.max_model_len >= max(len(render_prompt(tok, r)) for r in kept) + max_tokens
+        assert scfg.max_model_len >= max(len(p.ids) for p in kept) + max_tokens
         assert scfg.max_model_len == cfg.context_len == placement.server_config(
             realistic.model, cfg).max_model_len  # the same context as a training server
-    long = rollouts_cli.fitting(rows, tok, 5)
-    assert long == []  # prompts past max_prompt_len are left out, not sent
+    with pytest.raises(ValueError, match="max_prompt_len"):  # left out, never sent
+        load_data(tok, cfg.replace(max_prompt_len=5), smoke=True)
 
 
 class _FakeClient:
@@ -281,13 +281,13 @@ def test_greedy_eval_scores_with_the_answer_check_in_prompt_order() -> None:
     script[3] = ("The answer is \\boxed{4}.", "stop")  # wrong
     script[5] = ("The answer is \\boxed{5", "length")  # cut at max_tokens: wrong
     client = _FakeClient(script)
-    res = asyncio.run(greedy_accuracy(client, prompts, answer_checker("math"), 32, batch=4))
+    res = asyncio.run(greedy_accuracy(client, prompts, make_reward("math"), 32, batch=4))
     assert res.accuracy == pytest.approx(0.8) and (res.n, res.truncated) == (10, 1)
     assert [c[0] for c in client.calls] == [4, 4, 2]
     assert all(c[1] == 0.0 and c[2] == 32 for c in client.calls)  # greedy, configured length
     exact = _FakeClient({0: ("0009", "stop"), 1: ("0009 1", "stop")})
     res = asyncio.run(greedy_accuracy(exact, [Prompt("", [0], "9"), Prompt("", [1], "9")],
-                                      answer_checker("exact"), 8))
+                                      make_reward("exact"), 8))
     assert res.accuracy == 0.5
 
 
@@ -433,7 +433,7 @@ def test_syncs_land_on_a_tied_model_with_requests_in_flight(realistic, monkeypat
     reload transport, into a model with tied embeddings, as Qwen3-0.6B ships. No tensor
     arrives under a tied ``lm_head``'s name, so vLLM's layerwise reload never re-processes
     it, and on CPU that processing packed a copy of the weight for oneDNN: unless the worker
-    rebuilds the head (``gloo_engine.refresh_tied_heads``), the served logits stay on the
+    rebuilds the head (``worker.refresh_tied_heads``), the served logits stay on the
     weights the server started with. Checked with the log-prob probe: every tensor does
     reach the loader intact, so only the served outputs show it. One server start."""
     import threading
@@ -442,10 +442,10 @@ def test_syncs_land_on_a_tied_model_with_requests_in_flight(realistic, monkeypat
     import httpx
     import torch
 
-    from grpo_nb.llm.trainer import load_policy
+    from grpo_nb.llm.policy import load_policy
+    from grpo_nb.serving.client import policy_salt
     from grpo_nb.serving.server import VLLMServer
     from grpo_nb.weight_sync import WeightSyncer
-    from grpo_nb.weight_sync.client import policy_salt
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     cfg = LLMConfig(model=realistic.model, dataset=realistic.data, max_prompt_len=100,

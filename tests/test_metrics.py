@@ -15,8 +15,7 @@ from grpo_nb.metrics import MetricsRecorder, load_metrics
 def test_rows_reach_jsonl_and_reload(tmp_path: Path) -> None:
     with MetricsRecorder(tmp_path / "run") as rec:
         rec.log("step", step=0, reward=torch.tensor(0.25), loss=float("nan"))
-        with rec.busy("trainer", label="step 0"):
-            pass
+        rec.log("busy", actor="trainer", label="step 0", start=rec.now(), end=rec.now())
         rec.log("step", step=1, reward=0.5)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["kind"] for line in lines] == ["step", "busy", "step"]

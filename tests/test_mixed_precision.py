@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from grpo_nb.grpo import group_advantages
-from grpo_nb.llm import trainer as trainer_mod
+from grpo_nb.llm import policy as policy_mod
 from grpo_nb.llm.config import LLMConfig
-from grpo_nb.llm.trainer import ChangeMeter, PolicyTrainer, load_policy
-from grpo_nb.serving.rollouts import Group, Rollout
+from grpo_nb.llm.data import Group, Rollout
+from grpo_nb.llm.policy import ChangeMeter, PolicyTrainer, load_policy
 
 
 def _group(prompt: list[int], completions: list[list[int]], rewards: list[float]) -> Group:
@@ -110,7 +110,7 @@ def test_change_meter_counts_exactly_then_samples_big_models(monkeypatch) -> Non
     a[:30] += 1e-6  # a master-only change: bf16's step at 1 is 2**-7
     b[:10] += 1.0  # changes the bf16 copy too
     assert meter.after() == (pytest.approx(40 / 150), pytest.approx(10 / 150))
-    monkeypatch.setattr(trainer_mod, "CHANGE_SAMPLE", 15)  # every 10th element is watched
+    monkeypatch.setattr(policy_mod, "CHANGE_SAMPLE", 15)  # every 10th element is watched
     meter = ChangeMeter([a, b], torch.bfloat16)
     assert meter.stride == 10
     meter.before()

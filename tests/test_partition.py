@@ -8,11 +8,20 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from grpo_nb import partition
 from grpo_nb.partition import Plan, format_cpus, parse_cpus, plan
+
+
+def allowed_list(pid: int | str, tid: int | str) -> tuple[int, ...]:
+    """``Cpus_allowed_list`` of one thread of a process, from ``/proc``."""
+    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return parse_cpus(line.split(":", 1)[1].strip())
+    raise RuntimeError(f"/proc/{pid}/task/{tid}/status: no Cpus_allowed_list")
 
 
 def test_default_plan_puts_the_server_on_the_last_core_off_on_gpu_or_one_core(monkeypatch):
@@ -67,7 +76,9 @@ def test_apply_pins_every_thread_and_torch_then_restores():
         mine = partition.available_cpus()
         p = partition.Plan(mine[-1:], mine[:1], 1, "test")
         def masks():
-            return {partition.allowed_list("self", tid) for tid in os.listdir("/proc/self/task")}
+            return {next(line.split()[1] for line in open(f"/proc/self/task/{tid}/status")
+                         if line.startswith("Cpus_allowed_list:"))
+                    for tid in os.listdir("/proc/self/task")}
         with partition.pinned(p):
             inside, threads = masks(), torch.get_num_threads()
         after = masks()
@@ -79,7 +90,7 @@ def test_apply_pins_every_thread_and_torch_then_restores():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     mine = list(partition.available_cpus())
-    assert json.loads(out.splitlines()[-1]) == [[mine[:1]], 1, [mine], 2]
+    assert json.loads(out.splitlines()[-1]) == [[format_cpus(mine[:1])], 1, [format_cpus(mine)], 2]
 
 
 @pytest.mark.vllm
@@ -94,7 +105,7 @@ def test_started_server_tree_runs_on_the_planned_cores(vllm_server):
     assert server.cpus == want and server.healthy()
     pids = server.pids()
     assert len(pids) >= 2, f"expected the API server and its EngineCore, got {pids}"
-    masks = {(pid, tid): partition.allowed_list(pid, tid)
+    masks = {(pid, tid): allowed_list(pid, tid)
              for pid in pids for tid in os.listdir(f"/proc/{pid}/task")}
     wrong = {k: v for k, v in masks.items() if v != want}
     assert not wrong, f"threads off the planned cores {want}: {wrong}"

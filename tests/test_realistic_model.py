@@ -65,7 +65,6 @@ def test_chat_template_renders_qwen_style(built, tokenizer):
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert ids.count(tokenizer.eos_token_id) == 2  # one per turn: the specials are single tokens
     assert tokenizer.decode(ids) == text
-    assert task.prompt_example(tokenizer) == text
 
 
 def test_data_file_is_gsm8k_and_scores(built):
@@ -77,7 +76,7 @@ def test_data_file_is_gsm8k_and_scores(built):
         assert row["answer"].endswith(f"#### {last[1]}")
     task = tasks.load_task(str(built.data_file), test_size=20, split_seed=3)
     assert (len(task.train), len(task.test)) == (100, 20)
-    reward = task.reward("auto+0.1*format")
+    reward = tasks.make_reward("auto+0.1*format", default=task.default_reward)
     answer = task.test[0]["answer"]
     assert reward(f"Adding up gives \\boxed{{{answer}}}", answer) == pytest.approx(1.1)
     assert reward(f"So {answer} in total.", answer) == pytest.approx(1.0)

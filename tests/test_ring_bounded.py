@@ -198,10 +198,10 @@ def test_toy_ring_names_a_generator_whose_drain_hangs(monkeypatch):
 
 
 def _llm_trainer(saved: list[str]) -> Any:
-    """A :class:`grpo_nb.llm.learner.Trainer` with only what its finish path touches."""
+    """A :class:`grpo_nb.llm.actors.Trainer` with only what its finish path touches."""
     from grpo_nb.actors import Channel
+    from grpo_nb.llm.actors import Trainer
     from grpo_nb.llm.config import LLMConfig
-    from grpo_nb.llm.learner import Trainer
 
     t = Trainer.__new__(Trainer)
     t.cfg = LLMConfig(generators=2, finish_timeout_s=BOUND)
@@ -269,26 +269,30 @@ class _Null:
         pass
 
 
-# ── the hang of 2026-11-29: a group taken off the inlet, then lost to a cancelled receive ──
+# ── a group taken off the inlet must not be lost to a cancelled receive ──
 
 
 def test_a_group_that_arrives_as_a_stop_comes_is_kept_not_lost():
-    """Reproduced on the old trainer (``asyncio.wait_for(inbox.recv(), timeout=0.5)`` as a
-    stop-polling tick): when the tick's timeout fired in the same loop pass as a group landed,
-    the receive had already taken the group off the queue and the cancel threw it away. In sync
-    mode exactly one step's groups are issued, so the trainer then waited for ever. Today's
-    trainer never cancels a receive under way: it keeps it (``next_msg``) for the finish."""
-    from grpo_nb.llm.learner import Trainer
+    """A receive cancelled by a stop-polling timeout may already have taken a group off the
+    queue; in sync mode exactly one step's groups are issued, so the trainer would then wait
+    for ever. The trainer never cancels a receive under way: it keeps it (``next_msg``) for
+    the finish."""
+    from types import SimpleNamespace
+
+    from grpo_nb.llm.actors import Trainer
 
     async def main() -> None:
         t = _llm_trainer([])
+        t.cfg = t.cfg.replace(prompts_per_step=1)
         t.stopping, t.deadline = asyncio.Event(), None
+        t.pt, t.received = SimpleNamespace(step_count=0), 0
         got: list[Any] = []
         for i in range(24):  # the stop lands a few loop passes before, with, or after the group
-            waiting = asyncio.ensure_future(Trainer._receive_unless_stopping(t))
+            waiting = asyncio.ensure_future(Trainer._collect(t, None))
             for _ in range(i % 3):
                 await asyncio.sleep(0)
-            events = [t.stopping.set, lambda i=i: t.port.send(f"group{i}")]
+            group = SimpleNamespace(policy_version=0, name=f"group{i}")
+            events = [t.stopping.set, lambda g=group: t.port.send(g)]
             if i % 2:
                 events.reverse()
             events[0]()
@@ -297,11 +301,11 @@ def test_a_group_that_arrives_as_a_stop_comes_is_kept_not_lost():
             events[1]()
             msg = await waiting
             if msg is None and t.next_msg is not None:  # the stop won a receive under way:
-                msg, t.next_msg = await t.next_msg, None  # it must still bring the group
+                msg, t.next_msg = [await t.next_msg], None  # it must still bring the group
             elif msg is None:  # the stop came before any receive: the group is still queued
                 assert t.inbox.qsize() == 1, f"group{i} was lost with its receive"
-                msg = await t.inbox.recv()
-            got.append(msg)
+                msg = [await t.inbox.recv()]
+            got.append(msg[0].name)
             t.stopping.clear()
         assert got == [f"group{i}" for i in range(24)] and t.inbox.qsize() == 0
 

@@ -1,4 +1,5 @@
-"""Rollout groups against the real server, logprob agreement, and the command line."""
+"""The one sampler (the ring's, notebook 04's, the rollouts CLI's) against fakes and the real
+server, log-prob agreement, and the command line."""
 
 from __future__ import annotations
 
@@ -6,49 +7,58 @@ import asyncio
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from grpo_nb.serving.client import ClientConfig, CompletionsClient
-from grpo_nb.serving.rollouts import (
+from grpo_nb.llm.config import LLMConfig
+from grpo_nb.llm.data import Group, Prompt, Rollout
+from grpo_nb.llm.rollouts import (
     LOGPROB_TOLERANCE,
-    Group,
-    Rollout,
-    SamplingConfig,
-    generate_groups,
-    iter_groups,
     logprob_agreement,
+    sample_group,
+    sample_groups,
     summarize,
 )
+from grpo_nb.serving.client import ClientConfig, CompletionsClient
 
 
-def test_sampling_config_validation():
-    with pytest.raises(ValueError, match="max_tokens"):
-        SamplingConfig(max_tokens=0)
-    with pytest.raises(ValueError, match="adv_scale"):
-        SamplingConfig(adv_scale="mean")
-    with pytest.raises(ValueError, match=r"SamplingConfig.reward='nope'.*unknown"):
-        SamplingConfig(reward="nope")
-
-
-def test_groups_are_scored_with_the_configured_reward(monkeypatch):
-    """``SamplingConfig.reward`` is a make_reward spec: here the answer plus a format bonus."""
-    from types import SimpleNamespace
-
-    from grpo_nb.serving.rollouts import generate_group
-
-    texts = iter(["7", "the sum is 7", "8"])
+def _fake_server(monkeypatch, replies):
+    """Answers each request with the next list of (text, finish_reason); records the bodies."""
+    sent, replies = [], iter(replies)
 
     async def post(self, body):
-        return [SimpleNamespace(token_ids=[5], logprobs=[-1.0], text=next(texts),
-                                finish_reason="stop", latency_s=0.0)]
+        sent.append(body)
+        return [SimpleNamespace(token_ids=[5], logprobs=[-1.0], text=t, finish_reason=f,
+                                latency_s=0.0) for t, f in next(replies)]
 
     monkeypatch.setattr(CompletionsClient, "_post_with_retries", post)
-    client = CompletionsClient("http://127.0.0.1:9/v1", "m")
-    group = asyncio.run(generate_group(client, {"prompt": "q", "answer": "7"}, 3,
-                                       prompt_ids=[1], sampling=SamplingConfig(
-                                           reward="math+0.5*format")))
-    assert group.rewards == [1.5, 1.0, 0.5]
+    return CompletionsClient("http://127.0.0.1:9/v1", "m"), sent
+
+
+def test_groups_are_rewarded_with_the_given_reward_and_cut_completions_score_0(monkeypatch):
+    from grpo_nb.tasks import make_reward
+
+    client, sent = _fake_server(monkeypatch, [[("7", "stop"), ("the sum is 7", "stop"),
+                                               ("8", "stop"), ("7", "length")]])
+    cfg = LLMConfig(group_size=4)
+    (group,) = asyncio.run(sample_groups(client, [Prompt("q", [1], "7")], cfg,
+                                         reward=make_reward("math+0.5*format")))
+    assert group.rewards == [1.5, 1.0, 0.5, 0.0]
+    assert len(sent) == 1 and sent[0]["n"] == 4 and sent[0]["cache_salt"] == "policy-v0"
+
+
+def test_an_aborted_group_is_sampled_again_at_the_new_version(monkeypatch):
+    """A group cut short by a sync is not a sample of one policy: dropped, counted, resampled
+    with the version then served (and its salt)."""
+    client, sent = _fake_server(monkeypatch, [[("7", "abort"), ("7", "stop")],
+                                              [("7", "stop"), ("8", "stop")]])
+    versions, aborted = iter([3, 4]), []
+    group = asyncio.run(sample_group(client, Prompt("q", [1], "7"), LLMConfig(group_size=2),
+                                     lambda: next(versions), on_abort=lambda: aborted.append(1)))
+    assert aborted == [1] and group.policy_version == 4
+    assert [b["cache_salt"] for b in sent] == ["policy-v3", "policy-v4"]
+    assert [r.finish_reason for r in group.rollouts] == ["stop", "stop"]
 
 
 def test_summarize_counts_correct_samples_and_mixed_groups():
@@ -62,46 +72,39 @@ def test_summarize_counts_correct_samples_and_mixed_groups():
 
 
 @pytest.fixture(scope="module")
-def test_rows(tiny_model_dir):
+def test_prompts(tiny_model_dir):
+    from grpo_nb.llm.data import render_prompts
     from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset
-    from grpo_nb.tiny_model import load_meta
+    from grpo_nb.tiny_model import load_hf, load_meta
 
     task = ArithmeticTaskConfig(**load_meta(tiny_model_dir)["config"]["task"])
-    return list(make_dataset(task)["test"].select(range(12)))
+    rows = list(make_dataset(task)["test"].select(range(12)))
+    return render_prompts(load_hf(tiny_model_dir)[1], rows, 256)[0]
 
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_groups_rewards_advantages_and_logprob_agreement(vllm_server, tiny_model_dir, test_rows):
+def test_groups_rewards_and_logprob_agreement(vllm_server, tiny_model_dir, test_prompts):
     from grpo_nb.tasks import make_reward
     from grpo_nb.tiny_model import load_hf
 
     model, tok = load_hf(tiny_model_dir)
-    reward = make_reward("math")  # SamplingConfig.reward's default
+    reward = make_reward("exact")
+    cfg = LLMConfig(group_size=6, max_tokens=8)
 
     async def go():
-        async with CompletionsClient.for_server(vllm_server, ClientConfig(max_in_flight=16)) as c:
-            groups = await generate_groups(c, test_rows, 6, tokenizer=tok,
-                                           sampling=SamplingConfig(max_tokens=8, seed=1),
-                                           policy_version=lambda: 7)
-            return groups, c.stats
+        async with CompletionsClient.for_server(vllm_server, ClientConfig(max_in_flight=4)) as c:
+            return await sample_groups(c, test_prompts, cfg, reward=reward, seed=1), c.stats
 
     groups, stats = asyncio.run(go())
-    assert [g.group_id for g in groups] == list(range(len(test_rows)))
-    assert stats.failed == 0 and stats.requests == 6 * len(test_rows)
-    for g, row in zip(groups, test_rows, strict=True):
-        assert g.prompt == row["prompt"] and len(g.rollouts) == 6 and g.policy_version == 7
-        assert g.prompt_ids == tok.encode(row["prompt"], add_special_tokens=False)
+    assert [g.group_id for g in groups] == list(range(len(test_prompts)))
+    assert stats.failed == 0 and stats.requests == len(test_prompts)  # one request a group
+    for g, p in zip(groups, test_prompts, strict=True):
+        assert g.prompt == p.text and g.prompt_ids == p.ids and len(g.rollouts) == 6
         for r in g.rollouts:
-            assert r.reward == reward(r.completion_text, row["answer"])
+            assert r.reward == (reward(r.completion_text, p.answer)
+                                if r.finish_reason == "stop" else 0.0)
             assert len(r.sampler_logprobs) == len(r.completion_ids) >= 1
-        adv = g.advantages
-        assert abs(sum(adv)) < 1e-4  # group-relative: they sum to zero
-        if len(set(g.rewards)) == 1:
-            assert all(a == 0.0 for a in adv)
-        else:
-            best = max(range(6), key=lambda i: g.rewards[i])
-            assert adv[best] > 0
     # The warm-started model is partly right: some groups carry signal.
     assert any(len(set(g.rewards)) > 1 for g in groups)
     agreement = logprob_agreement(model, groups)
@@ -111,29 +114,20 @@ def test_groups_rewards_advantages_and_logprob_agreement(vllm_server, tiny_model
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_failed_groups_are_dropped_and_counted_or_raised(vllm_server, tiny_model_dir, test_rows):
-    """A prompt longer than the server's max length fails its group: skip counts it."""
+def test_a_failed_group_raises_and_cancels_the_others(vllm_server, test_prompts):
+    """A prompt longer than the server's max length fails its request: the error is raised."""
     from grpo_nb.serving.client import CompletionError
-    from grpo_nb.tiny_model import load_hf
 
-    _, tok = load_hf(tiny_model_dir)
-    too_long = {"prompt": "1+" * vllm_server.cfg.max_model_len + "1=", "answer": "0"}
-    rows = [test_rows[0], too_long, test_rows[1]]
+    too_long = Prompt("x", [5] * (vllm_server.cfg.max_model_len + 1), "0")
 
-    async def go(on_error):
+    async def go():
         async with CompletionsClient.for_server(vllm_server) as c:
-            if on_error == "raise":
-                with pytest.raises(CompletionError, match="HTTP 400"):
-                    await generate_groups(c, rows, 2, tokenizer=tok, on_error="raise")
-                return None, c.stats
-            groups = [g async for g in iter_groups(c, rows, 2, tokenizer=tok, on_error="skip")]
-            return groups, c.stats
+            with pytest.raises(CompletionError, match="HTTP 400"):
+                await sample_groups(c, [test_prompts[0], too_long, test_prompts[1]],
+                                    LLMConfig(group_size=2))
+            return c.stats
 
-    groups, stats = asyncio.run(go("skip"))
-    assert sorted(g.group_id for g in groups) == [0, 2]
-    assert stats.groups_dropped == 1 and stats.http_4xx >= 1
-    _, stats = asyncio.run(go("raise"))
-    assert stats.http_4xx >= 1
+    assert asyncio.run(go()).http_4xx >= 1
 
 
 @pytest.mark.vllm

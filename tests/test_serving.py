@@ -11,14 +11,14 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
+import httpx
 import pytest
 from keyed_checks import status as _status
 
 from grpo_nb.serving import server as serving
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient
+from grpo_nb.serving.processes import marked_processes, wait_exit
 from grpo_nb.serving.server import ServerConfig, ServerStartError, VLLMServer, free_port
 
 # ---------------------------------------------------------------- no server needed
@@ -71,9 +71,10 @@ def test_api_key_travels_by_environment_never_argv(tmp_path, monkeypatch):
     assert ServerConfig(model="m").api_key == "from-env" == ClientConfig().api_key
     monkeypatch.delenv("VLLM_API_KEY")
     assert "VLLM_API_KEY" not in ServerConfig(model="m").environment("abc", gpu=False)
-    log = tmp_path / "server.log"
-    log.write_text("starting\nheader Bearer s3cret-key seen\n")
-    assert "s3cret" not in serving.log_tail(log, secret="s3cret-key")
+    server = VLLMServer(ServerConfig(model="m", api_key="s3cret-key"))
+    server.log_path = tmp_path / "server.log"
+    server.log_path.write_text("starting\nheader Bearer s3cret-key seen\n")
+    assert "s3cret" not in server.log_tail() and "Bearer ***" in server.log_tail()
 
 
 def test_free_port_refuses_to_bind_beyond_loopback():
@@ -335,12 +336,12 @@ def _wait_for(predicate, timeout: float) -> float:
 def test_a_dropped_server_is_still_registered_and_stopped_at_exit(fake_server):
     server = fake_server().start(progress=False)
     sid = server.server_id
-    _wait_for(lambda: len(serving.find_server_processes([sid])) == 2, 20)
+    _wait_for(lambda: len(marked_processes([sid])) == 2, 20)
     del server  # what re-running `server = VLLMServer(cfg).start()` in a notebook does
     gc.collect()
     assert any(s.server_id == sid for s in serving._LIVE)
     serving.stop_all()  # the atexit hook
-    assert not serving.find_server_processes([sid])
+    assert not marked_processes([sid])
 
 
 def test_same_name_replaces_the_previous_server(fake_server):
@@ -393,18 +394,18 @@ def _record(errors, fn, **kw):
         errors.append(err)
 
 
-def test_wait_exited_returns_the_exit_code(fake_server):
+def test_wait_exit_wakes_on_the_exit_and_leaves_the_code_to_popen(fake_server):
+    """Without polling or reaping: ``proc.returncode`` still reads the server's exit code."""
     server = fake_server(env={"FAKE": "import time; time.sleep(1.0); raise SystemExit(3)"})
     server.start(progress=False)
 
     async def go():
         t0 = time.monotonic()
-        code = await asyncio.wait_for(server.wait_exited(), 30)
-        return code, time.monotonic() - t0
+        await asyncio.wait_for(wait_exit(server.proc.pid), 30)
+        return time.monotonic() - t0
 
-    code, waited = asyncio.run(go())
-    assert code == 3 and waited < 10
-    assert asyncio.run(server.wait_exited()) == 3  # already exited: immediate
+    assert 0.5 < asyncio.run(go()) < 10 and server.proc.poll() == 3
+    asyncio.run(asyncio.wait_for(wait_exit(server.proc.pid), 1))  # reaped: returns at once
     server.stop()
 
 
@@ -426,8 +427,6 @@ def _sigkill_owner_and_time_cleanup(script: str, args: list[str], check=None,
     """Run ``script`` (it starts a server and prints its id as JSON), run ``check(info)``,
     SIGKILL the script's process, and return how long the server's processes took to go."""
     import psutil
-
-    from grpo_nb.serving.processes import marked_processes
 
     owner = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
                              text=True, env=env)
@@ -496,8 +495,8 @@ def test_doctor_lists_and_reaps_servers_whose_owner_is_gone():
 def test_server_health_models_and_attach(vllm_server):
     assert vllm_server.healthy()
     assert vllm_server.startup_seconds is not None and vllm_server.pids()
-    with urllib.request.urlopen(f"{vllm_server.base_url}/models", timeout=10) as resp:
-        assert json.load(resp)["data"][0]["id"] == vllm_server.model_name
+    models = httpx.get(f"{vllm_server.base_url}/models", timeout=10).json()
+    assert models["data"][0]["id"] == vllm_server.model_name
     attached = VLLMServer.attach(vllm_server.base_url)
     assert attached.model_name == vllm_server.model_name and attached.port == vllm_server.port
     attached.stop()  # not ours: must not stop the real one
@@ -584,14 +583,12 @@ def test_pause_abort_returns_aborted_choices(vllm_server):
     assert {o.finish_reason for o in outs} == {"abort"} and len(outs) == 6
     assert all(len(o.token_ids) < 200 and len(o.logprobs) == len(o.token_ids) for o in outs)
     assert (stats.aborted, stats.failed) == (6, 0) and after[0].finish_reason == "length"
-    with urllib.request.urlopen(f"{url}/is_paused", timeout=10) as resp:
-        assert json.load(resp)["is_paused"] is False
+    assert httpx.get(f"{url}/is_paused", timeout=10).json()["is_paused"] is False
 
 
 def vllm_server_tokens(url: str) -> float:
     """Generation tokens the server has produced so far (Prometheus ``/metrics``)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:generation_tokens_total"))
 

@@ -74,11 +74,11 @@ def test_reward_uses_math_verify_for_latex():
 
 
 def test_load_gsm8k_shape_from_jsonl(tmp_path):
-    path = tmp_path / "gsm8k_test.jsonl"
     rows = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"},
             {"question": "Big?", "answer": "lots\n#### 1,200"}]
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    data = tasks.load_hub_math(str(path), "test")
+    for split in ("train", "test"):
+        write_jsonl(tmp_path / f"{split}.jsonl", rows)
+    data = tasks.load_task(str(tmp_path)).test
     assert data["answer"] == ["7", "1200"]
     assert data[0]["prompt"].startswith("Tom has 3 apples")
     assert tasks.HUB_INSTRUCTION in data[0]["prompt"]
@@ -90,21 +90,12 @@ def test_load_openr1_shape_from_parquet(tmp_path):
     path = tmp_path / "openr1.parquet"
     datasets.Dataset.from_list([
         {"problem": "Compute 1/2 + 0.", "solution": "...", "answer": "\\frac{1}{2}"},
+        {"problem": "Compute 1 + 1.", "solution": "...", "answer": "2"},
     ]).to_parquet(str(path))
-    data = tasks.load_hub_math(str(path), "train")
-    assert data["answer"] == ["\\frac{1}{2}"]
-    assert make_reward("math")("\\boxed{0.5}", data[0]["answer"]) == 1.0
-
-
-def test_load_hub_math_rejects_unknown_shapes(tmp_path):
-    path = tmp_path / "odd.json"
-    path.write_text(json.dumps([{"text": "x"}]))
-    with pytest.raises(ValueError, match="columns"):
-        tasks.load_hub_math(str(path))
-    bad = tmp_path / "bad.csv"
-    bad.write_text("a,b\n")
-    with pytest.raises(ValueError, match="parquet"):
-        tasks.load_hub_math(str(bad))
+    task = tasks.load_task(str(path), test_size=1)
+    answers = sorted(r["answer"] for r in [*task.train, *task.test])
+    assert answers == ["2", "\\frac{1}{2}"]
+    assert make_reward("math")("\\boxed{0.5}", answers[1]) == 1.0
 
 
 class CharTok:
@@ -336,13 +327,14 @@ def test_math_and_format_rewards_and_weighted_sums():
     assert combined("\\boxed{19}", "19") == pytest.approx(1.1)
     assert combined("it is 19", "19") == pytest.approx(1.0)
     assert combined("\\boxed{18}", "19") == pytest.approx(0.1)
-    listed = tasks.make_reward(["math", "format"], weights=[2.0, 0.5])
+    listed = tasks.make_reward([("math", 2.0), ("format", 0.5)])
     assert listed("\\boxed{19}", "19") == pytest.approx(2.5)
-    assert tasks.make_reward([("math", 1.0), ("format", 0.25)]).terms[1] == ("format", 0.25)
+    assert tasks.make_reward(["math", ("format", 0.25)]).terms == (("math", 1.0), ("format", 0.25))
 
 
 def test_auto_reward_follows_the_task():
-    arithmetic = tasks.load_task("arithmetic", arithmetic=SMALL).reward()
+    task = tasks.load_task("arithmetic", arithmetic=SMALL)
+    arithmetic = tasks.make_reward("auto", default=task.default_reward)
     assert arithmetic("x9", "0009") == 0.0  # exact: strict
     assert tasks.make_reward("auto", default="math")("x9", "0009") == 1.0
 
@@ -361,28 +353,17 @@ def test_user_rewards_callable_and_by_import_path():
         tasks.make_reward("os.path:join")("a", "b")
 
 
-@pytest.mark.parametrize("spec, weights, match", [
-    ("nope", None, r"'nope': unknown; use one of \['exact', 'format', 'math'\]"),
-    ("math+", None, "cannot read the term"),
-    ("no_such_module_xyz:f", None, "cannot import"),
-    (["math", "format"], [1.0], "one per term"),
-    (lambda text: 1.0, None, r"must accept \(completion_text, answer\)"),
-    ("math", [float("nan")], "not finite"),
-    ([], None, "at least one"),
+@pytest.mark.parametrize("spec, match", [
+    ("nope", r"'nope': unknown; use one of \['exact', 'format', 'math'\]"),
+    ("math+", "cannot read the term"),
+    ("no_such_module_xyz:f", "cannot import"),
+    (lambda text: 1.0, r"must accept \(completion_text, answer\)"),
+    ([("math", float("nan"))], "not finite"),
+    ([], "at least one"),
 ])
-def test_bad_reward_specs_are_named(spec, weights, match):
+def test_bad_reward_specs_are_named(spec, match):
     with pytest.raises(ValueError, match=match):
-        tasks.make_reward(spec, weights)
-
-
-def test_register_reward():
-    tasks.register_reward("half_credit_test", half_credit)
-    try:
-        assert tasks.make_reward("half_credit_test")("19", "19") == 0.5
-    finally:
-        del tasks.REWARDS["half_credit_test"]
-    with pytest.raises(ValueError, match="identifier"):
-        tasks.register_reward("auto", half_credit)
+        tasks.make_reward(spec)
 
 
 def test_math_verify_works_off_the_main_thread():
@@ -393,3 +374,31 @@ def test_math_verify_works_off_the_main_thread():
     thread.start()
     thread.join()
     assert results == [1.0]
+
+
+def test_reward_terms_check_a_spec_without_importing_it():
+    import sys
+
+    name = "grpo_nb_test_unimported_reward_module"
+    assert tasks.reward_terms(f"{name}:score+0.5*format") == ((f"{name}:score", 1.0),
+                                                             ("format", 0.5))
+    assert name not in sys.modules  # a config names it; the scorer imports it
+    for spec, match in [("nope", "unknown"), ("a.b:", "module:function"),
+                        (lambda text: 1.0, "must accept")]:
+        with pytest.raises(ValueError, match=match):
+            tasks.reward_terms(spec)
+    with pytest.raises(ValueError, match="cannot import"):
+        tasks.make_reward(f"{name}:score")
+
+
+def test_check_task_fields_names_the_config_field():
+    from types import SimpleNamespace
+
+    good = dict(dataset="arithmetic", test_size=None, system_prompt=None,
+                chat_template_kwargs=None, max_prompt_len=64, reward="no_such_module_xyz:f")
+    tasks.check_task_fields(SimpleNamespace(**good))  # import paths resolve in the scorer
+    for field, value in [("dataset", "arithmetic:x"), ("test_size", True),
+                         ("system_prompt", 3), ("chat_template_kwargs", "x"),
+                         ("max_prompt_len", 0), ("reward", "math+")]:
+        with pytest.raises(ValueError, match=rf"LLMConfig\.{field}="):
+            tasks.check_task_fields(SimpleNamespace(**{**good, field: value}))

@@ -10,12 +10,29 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 import grpo_nb.actors
 import grpo_nb.ring
+from grpo_nb.actors import Channel, this_proc
 from grpo_nb.metrics import MetricsRecorder
+from grpo_nb.toy.actors import Scorer
 from grpo_nb.toy.run import cli, run_ring
-from grpo_nb.toy.task import ToyConfig
+from grpo_nb.toy.task import Group, ToyConfig
+
+
+@pytest.fixture
+def cancelled_loops(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per stage loop that ``ring.cancel_task`` cancels (every actor's __cleanup__)."""
+    cancelled: list[int] = []
+    original = grpo_nb.ring.cancel_task
+
+    async def counting_cancel(task: asyncio.Task | None, *, quiet: bool = False) -> None:
+        cancelled.append(1)
+        await original(task, quiet=quiet)
+
+    monkeypatch.setattr(grpo_nb.ring, "cancel_task", counting_cancel)
+    return cancelled
 
 
 def test_config_validation_names_the_field() -> None:
@@ -25,6 +42,49 @@ def test_config_validation_names_the_field() -> None:
         ToyConfig(clip=1.5)
     with pytest.raises(ValueError, match="ToyConfig.backend"):
         ToyConfig(backend="threads")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ToyConfig.adv_scale"):
+        ToyConfig(adv_scale="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ToyConfig.mode"):
+        ToyConfig(mode="lockstep")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ToyConfig.max_ahead"):
+        ToyConfig(max_ahead=-1)
+
+
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_scorer_sets_rewards_and_the_group_advantages(scale: str) -> None:
+    cfg = replace(ToyConfig.smoke(), generators=1, adv_scale=scale)
+    acts = torch.arange(cfg.group_size) % cfg.arms  # every arm: some samples pay, some do not
+
+    async def main() -> Group:
+        metrics, _ = Channel.open()
+        out, inbox = Channel.open()
+        scorer = this_proc().spawn("scorer", Scorer, cfg, metrics)
+        try:
+            await scorer.start.call_one(out)
+            port = await scorer.inlet.call_one()
+            port.send(Group(torch.randn(cfg.obs_dim), acts, torch.zeros(cfg.group_size), 0, "gen0", 0.0))
+            return await inbox.recv()
+        finally:
+            await scorer.stop()
+
+    group = asyncio.run(main())
+    centred = group.rewards - group.rewards.mean()
+    assert 0 < group.rewards.sum() < cfg.group_size
+    expected = centred if scale == "none" else centred / (group.rewards.std() + 1e-6)
+    assert torch.allclose(group.advantages, expected), (group.rewards, group.advantages)
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 3])
+def test_credits_bound_the_run_ahead(ahead: int) -> None:
+    """Instant generators and a slow trainer: the generators run as far ahead as their credits
+    allow and no further, so with weights to all every group is exactly ``max_ahead`` stale."""
+    cfg = replace(ToyConfig.smoke(), steps=8, gen_delay_s=0.0, train_delay_s=0.02,
+                  selection="all", max_ahead=ahead)
+    rec = MetricsRecorder(None)
+    asyncio.run(asyncio.wait_for(run_ring(cfg, rec), 60))
+    late = rec.rows("step")[ahead + 1:]  # once the first 1 + max_ahead steps' worth is used
+    assert {s for r in late for s in r["staleness"]} == {ahead}
+    assert max(r["queue_depth"] for r in rec.rows("step")) <= ahead * cfg.groups_per_step
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -54,7 +114,7 @@ def test_ring_learns_towards_the_optimum(seed: int) -> None:
 
 
 def test_one_generator_on_policy_is_deterministic() -> None:
-    cfg = replace(ToyConfig.smoke(), generators=1, max_lag=0, steps=15, seed=7, gen_delay_s=0.0)
+    cfg = replace(ToyConfig.smoke(), generators=1, mode="sync", steps=15, seed=7, gen_delay_s=0.0)
 
     def once() -> MetricsRecorder:
         rec = MetricsRecorder(None)
@@ -75,16 +135,7 @@ def test_more_generators_make_samples_staler() -> None:
     assert staleness(4) > staleness(1)
 
 
-def test_cancelling_a_running_ring_stops_every_actor_quickly(monkeypatch: pytest.MonkeyPatch) -> None:
-    cancelled_loops: list[int] = []
-    original = grpo_nb.ring.cancel_task
-
-    async def counting_cancel(task: asyncio.Task | None, *, quiet: bool = False) -> None:
-        cancelled_loops.append(1)
-        await original(task, quiet=quiet)
-
-    monkeypatch.setattr(grpo_nb.ring, "cancel_task", counting_cancel)
-
+def test_cancelling_a_running_ring_stops_every_actor_quickly(cancelled_loops: list[int]) -> None:
     async def main() -> float:
         started = asyncio.Event()
 
@@ -130,17 +181,8 @@ def test_monarch_backend_missing_gives_a_clear_message(monkeypatch, capsys) -> N
     assert "torchmonarch is not installed" in err and "Traceback" not in err
 
 
-def test_keyboard_interrupt_in_the_controller_still_stops_every_actor(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keyboard_interrupt_in_the_controller_still_stops_every_actor(cancelled_loops: list[int]) -> None:
     """A notebook interrupt lands in controller code (here: the on_step callback)."""
-    cancelled_loops: list[int] = []
-    original = grpo_nb.ring.cancel_task
-
-    async def counting_cancel(task: asyncio.Task | None, *, quiet: bool = False) -> None:
-        cancelled_loops.append(1)
-        await original(task, quiet=quiet)
-
-    monkeypatch.setattr(grpo_nb.ring, "cancel_task", counting_cancel)
-
     def on_step(rec: MetricsRecorder) -> None:
         if len(rec.rows("step")) == 3:
             raise KeyboardInterrupt

@@ -28,7 +28,7 @@ from grpo_nb.weight_sync import (
     WeightSyncError,
 )
 from grpo_nb.weight_sync import verify as check
-from grpo_nb.weight_sync.gloo_engine import layer_key, plan_layout
+from grpo_nb.weight_sync.worker import layer_key, plan_layout
 
 # ── no server needed ──
 
@@ -109,13 +109,14 @@ def test_unreachable_server_raises_and_version_does_not_advance() -> None:
 
 
 class _StubControlPlane:
-    """A fake vLLM control plane on loopback: records every route called; routes listed in
-    ``slow`` sleep 2 s (past the client's timeout), routes in ``fail`` answer 500."""
+    """A fake vLLM control plane on loopback: records every route called; routes added to
+    ``slow`` sleep 2 s (past the client's timeout), routes added to ``fail`` answer 500."""
 
-    def __init__(self, slow: tuple[str, ...] = (), fail: tuple[str, ...] = ()) -> None:
+    def __init__(self) -> None:
         self.calls: list[str] = []
         self.queries: list[str] = []
-        self.slow, self.fail = set(slow), set(fail)
+        self.slow: set[str] = set()
+        self.fail: set[str] = set()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -148,6 +149,13 @@ class _StubControlPlane:
         self.httpd.server_close()
 
 
+@pytest.fixture
+def stub():
+    plane = _StubControlPlane()
+    yield plane
+    plane.close()
+
+
 def _stub_syncer(stub: _StubControlPlane, pause_mode: str = "keep") -> WeightSyncer:
     from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
 
@@ -157,81 +165,71 @@ def _stub_syncer(stub: _StubControlPlane, pause_mode: str = "keep") -> WeightSyn
                                                           send_dtype="float32"))
 
 
-def test_pause_that_times_out_is_still_followed_by_resume() -> None:
-    stub = _StubControlPlane(slow=("/pause",))
-    try:
-        syncer = _stub_syncer(stub)
-        with pytest.raises(WeightSyncError, match="pause"):
-            syncer.sync(1)
-        # The server may have paused after our timeout: resume anyway, never stay dirty.
-        assert stub.calls == ["/pause", "/resume"]
-        assert syncer.dirty is None and syncer.version is None
-        syncer.close()
-    finally:
-        stub.close()
+def test_pause_that_times_out_is_still_followed_by_resume(stub) -> None:
+    stub.slow.add("/pause")
+    syncer = _stub_syncer(stub)
+    with pytest.raises(WeightSyncError, match="pause"):
+        syncer.sync(1)
+    # The server may have paused after our timeout: resume anyway, never stay dirty.
+    assert stub.calls == ["/pause", "/resume"]
+    assert syncer.dirty is None and syncer.version is None
+    syncer.close()
 
 
-def test_failed_transfer_stays_paused_until_a_full_resend_succeeds() -> None:
-    stub = _StubControlPlane(fail=("/collective_rpc",))
-    try:
-        syncer = _stub_syncer(stub)
-        with pytest.raises(WeightSyncError, match="PAUSED"):
-            syncer.sync(1)
-        assert stub.calls == ["/pause", "/collective_rpc"]  # no /resume: half-loaded model
-        assert syncer.dirty is not None and "version 1" in syncer.dirty
-        stub.calls.clear()
-        stub.fail.clear()  # the fault is gone: the next sync re-sends and resumes
-        result = syncer.sync(2)
-        assert syncer.dirty is None and result.version == 2 == syncer.version
-        # first the failed update is closed on the server (grpo_abort_update), then a full sync
-        assert stub.calls == ["/collective_rpc", "/pause", "/collective_rpc",
-                              "/update_weight_version", "/resume"]
-        assert result.round_trips == 5
-        assert {"reset", "pause", "transfer", "load", "version", "resume",
-                "total"} <= set(result.phases)
-        stub.calls.clear()
-        assert syncer.sync(3).round_trips == 4  # a clean server: no reset
-        syncer.close()
-    finally:
-        stub.close()
+def test_failed_transfer_stays_paused_until_a_full_resend_succeeds(stub) -> None:
+    stub.fail.add("/collective_rpc")
+    syncer = _stub_syncer(stub)
+    with pytest.raises(WeightSyncError, match="PAUSED"):
+        syncer.sync(1)
+    assert stub.calls == ["/pause", "/collective_rpc"]  # no /resume: half-loaded model
+    assert syncer.dirty is not None and "version 1" in syncer.dirty
+    stub.calls.clear()
+    stub.fail.clear()  # the fault is gone: the next sync re-sends and resumes
+    result = syncer.sync(2)
+    assert syncer.dirty is None and result.version == 2 == syncer.version
+    # first the failed update is closed on the server (grpo_abort_update), then a full sync
+    assert stub.calls == ["/collective_rpc", "/pause", "/collective_rpc",
+                          "/update_weight_version", "/resume"]
+    assert result.round_trips == 5
+    assert {"reset", "pause", "transfer", "load", "version", "resume",
+            "total"} <= set(result.phases)
+    stub.calls.clear()
+    assert syncer.sync(3).round_trips == 4  # a clean server: no reset
+    syncer.close()
 
 
-def test_a_sync_without_pause_pauses_at_once_when_it_fails_and_resumes_after_a_resend() -> None:
-    stub = _StubControlPlane()
-    try:
-        syncer = _stub_syncer(stub, pause_mode="none")
-        syncer.sync(1)  # no /pause, no /resume; the old weights' prompt KV is dropped
-        assert stub.calls == ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
-        stub.calls.clear()
-        stub.fail.add("/collective_rpc")
-        with pytest.raises(WeightSyncError, match="PAUSED"):
-            syncer.sync(2)
-        # Generation was running: stop it now (abort), and stay paused while dirty.
-        assert stub.calls == ["/collective_rpc", "/pause"] and stub.queries[-1] == "mode=abort"
-        assert syncer.dirty is not None and syncer.version == 1
-        stub.calls.clear()
-        stub.fail.clear()
-        assert syncer.sync(3).version == 3 and syncer.dirty is None
-        # The full re-send went through (after the reset): now the pause it left is lifted.
-        assert stub.calls == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache",
-                              "/update_weight_version", "/resume"]
-        stub.calls.clear()
-        syncer.sync(4)
-        assert "/resume" not in stub.calls and "/pause" not in stub.calls
-        syncer.close()
-        # A client whose every request is salted with its policy version has no cache to drop.
-        stub.calls.clear()
-        salted = WeightSyncer(stub.url, syncer.model, syncer.cfg, salted=True)
-        salted.sync(5)
-        assert stub.calls == ["/collective_rpc", "/update_weight_version"]
-        # A server that cannot be paused either: the error must not claim it is.
-        stub.fail.update({"/collective_rpc", "/pause"})
-        with pytest.raises(WeightSyncError, match="could not be paused") as raised:
-            salted.sync(6)
-        assert "PAUSED" not in str(raised.value) and salted.dirty is not None
-        salted.close()
-    finally:
-        stub.close()
+def test_a_sync_without_pause_pauses_at_once_when_it_fails_and_resumes_after_a_resend(stub) -> None:
+    syncer = _stub_syncer(stub, pause_mode="none")
+    syncer.sync(1)  # no /pause, no /resume; the old weights' prompt KV is dropped
+    assert stub.calls == ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
+    stub.calls.clear()
+    stub.fail.add("/collective_rpc")
+    with pytest.raises(WeightSyncError, match="PAUSED"):
+        syncer.sync(2)
+    # Generation was running: stop it now (abort), and stay paused while dirty.
+    assert stub.calls == ["/collective_rpc", "/pause"] and stub.queries[-1] == "mode=abort"
+    assert syncer.dirty is not None and syncer.version == 1
+    stub.calls.clear()
+    stub.fail.clear()
+    assert syncer.sync(3).version == 3 and syncer.dirty is None
+    # The full re-send went through (after the reset): now the pause it left is lifted.
+    assert stub.calls == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache",
+                          "/update_weight_version", "/resume"]
+    stub.calls.clear()
+    syncer.sync(4)
+    assert "/resume" not in stub.calls and "/pause" not in stub.calls
+    syncer.close()
+    # A client whose every request is salted with its policy version has no cache to drop.
+    stub.calls.clear()
+    salted = WeightSyncer(stub.url, syncer.model, syncer.cfg, salted=True)
+    salted.sync(5)
+    assert stub.calls == ["/collective_rpc", "/update_weight_version"]
+    # A server that cannot be paused either: the error must not claim it is.
+    stub.fail.update({"/collective_rpc", "/pause"})
+    with pytest.raises(WeightSyncError, match="could not be paused") as raised:
+        salted.sync(6)
+    assert "PAUSED" not in str(raised.value) and salted.dirty is not None
+    salted.close()
 
 
 def _listening_inodes() -> dict[int, str]:
@@ -255,7 +253,7 @@ def _listening_inodes() -> dict[int, str]:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
 def test_gloo_group_listens_on_loopback_only() -> None:
-    from grpo_nb.weight_sync.gloo_group import close_group, listen_loopback, open_group
+    from grpo_nb.weight_sync.gloo_engine import close_group, listen_loopback, open_group
 
     before = set(_listening_inodes())
     sock = listen_loopback()
@@ -279,8 +277,8 @@ def test_gloo_group_listens_on_loopback_only() -> None:
         work.wait()
         assert torch.equal(got, buf)
     finally:
-        close_group(group, abort=True)
-        close_group(peer["g"], abort=True)
+        close_group(group)
+        close_group(peer["g"])
 
 
 # ── against a real server ──
@@ -371,7 +369,7 @@ def test_a_sync_without_pause_never_serves_prompt_kv_of_the_old_weights(ring_ser
     (``policy_salt``) is what keeps new requests off the old blocks."""
     import httpx
 
-    from grpo_nb.weight_sync import policy_salt
+    from grpo_nb.serving.client import policy_salt
 
     model = _fresh_model(random_model_dir)
     vocab = model.config.vocab_size
@@ -581,19 +579,14 @@ def _exact_verification(server, model_dir: Path, transport: str, dtype: torch.dt
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["gloo", "reload"])
-def test_float32_verification_is_exact_and_fails_a_sync_that_skipped_a_tensor(
-        ring_server, random_model_dir, transport: str, monkeypatch) -> None:
-    _exact_verification(ring_server, random_model_dir, transport, torch.float32, monkeypatch)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.parametrize("transport", ["gloo", "reload"])
-def test_bfloat16_verification_is_exact_and_fails_a_sync_that_skipped_a_tensor(
-        bf16_server, random_model_dir, transport: str, monkeypatch) -> None:
-    """A float32 trainer model syncs to a bf16 server as bf16 (the server's dtype, asked):
-    the digests compare the very bytes that travelled, so nothing needs a tolerance."""
-    _exact_verification(bf16_server, random_model_dir, transport, torch.bfloat16, monkeypatch)
+@pytest.mark.parametrize("server", ["ring_server", "bf16_server"])
+def test_verification_is_exact_and_fails_a_sync_that_skipped_a_tensor(
+        request, random_model_dir, server: str, transport: str, monkeypatch) -> None:
+    """float32 and bfloat16 servers: a float32 trainer model syncs to a bf16 server as bf16
+    (the server's dtype, asked), and the digests compare the very bytes that travelled."""
+    dtype = torch.float32 if server == "ring_server" else torch.bfloat16
+    _exact_verification(request.getfixturevalue(server), random_model_dir, transport, dtype,
+                        monkeypatch)
 
 
 # ── a stalled transfer: bounded, and the pair recovers ──

@@ -1,15 +1,8 @@
-"""The small pieces every part of the runtime shares: futures, errors, value meshes, copying.
+"""The runtime's messages: copying, errors, value meshes, futures, channels.
 
-Nothing here knows about actors yet; :mod:`grpo_nb.actors._mesh` and
-:mod:`grpo_nb.actors._ports` build on it::
-
-    call()/recv() ──► Future ──await──► value      (or ActorError with the remote traceback)
-    send(x)       ──► transfer(x) ──► a private copy for the receiver (pickled, like Monarch)
-
-Why copy? Real actors live in separate processes and share no memory: whatever crosses a
-port or an endpoint is pickled on one side and unpickled on the other. An in-process runtime
-that passed references would let a learner's code mutate another actor's state and work here
-but break on torchmonarch. So every message is pickled and unpickled, exactly once.
+Real actors live in separate processes and share no memory, so whatever crosses a port or an
+endpoint is copied here too (pickled and unpickled once): code that mutated another actor's
+state through a shared reference would work here and break on torchmonarch.
 """
 
 from __future__ import annotations
@@ -17,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import io
+import math
 import pickle
 import sys
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
@@ -24,9 +18,9 @@ from traceback import TracebackException
 from typing import Any, Generic, TypeVar
 
 try:  # Monarch pickles with cloudpickle (classes defined in a cell travel by value)
-    from cloudpickle import CloudPickler as _CloudPickler
+    from cloudpickle import CloudPickler
 except ImportError:  # pragma: no cover - cloudpickle comes with torchmonarch
-    _CloudPickler = None
+    CloudPickler = None
 
 R = TypeVar("R")
 
@@ -34,52 +28,12 @@ _IMMUTABLE = (int, float, bool, str, bytes, type(None))
 
 
 class Handle:
-    """Marker base class: objects that are *addresses* (ports, meshes, endpoints).
-
-    Pickling a handle keeps the very same object — an address names a mailbox, it does not
-    own data — which is what Monarch's port re-binding amounts to inside one process.
-    """
-
-
-class _HandleMixin:
-    _handles: list[Any]
-
-    def persistent_id(self, obj: Any) -> int | None:
-        if isinstance(obj, Handle):
-            self._handles.append(obj)
-            return len(self._handles) - 1
-        copied = _copy_tensor(obj)
-        if copied is not None:
-            self._handles.append(copied)
-            return len(self._handles) - 1
-        return None
-
-
-class _FastPickler(_HandleMixin, pickle.Pickler):
-    def __init__(self, file: io.BytesIO, handles: list[Any]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._handles = handles
-
-
-if _CloudPickler is not None:
-
-    class _ByValuePickler(_HandleMixin, _CloudPickler):  # type: ignore[misc, valid-type]
-        def __init__(self, file: io.BytesIO, handles: list[Any]) -> None:
-            super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-            self._handles = handles
-
-    _PICKLERS: tuple[type, ...] = (_FastPickler, _ByValuePickler)
-else:  # pragma: no cover
-    _PICKLERS = (_FastPickler,)
+    """Marker base class of addresses (ports, meshes, endpoints): pickling one keeps the very
+    object, since an address names a mailbox and owns no data."""
 
 
 def _copy_tensor(obj: Any) -> Any:
-    """A CPU tensor's copy without serialising it (pickling a tensor costs ~1 ms: torch.save).
-
-    The receiver still gets its own memory, which is all that copying is for here. (Views
-    of one storage inside a message become independent tensors: unlike pickle, aliasing is
-    not preserved.)
-    """
+    """A CPU tensor's own copy, without serialising it (the receiver gets its own memory)."""
     torch = sys.modules.get("torch")
     if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu":
         return None
@@ -89,87 +43,74 @@ def _copy_tensor(obj: Any) -> Any:
     return data.requires_grad_(obj.requires_grad) if obj.is_leaf else data
 
 
-class _HandleUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, handles: list[Any]) -> None:
-        super().__init__(file)
-        self._handles = handles
-
-    def persistent_load(self, pid: Any) -> Handle:
-        return self._handles[pid]
+# The C pickler first (fast); cloudpickle when something must travel by value (a class or
+# lambda defined in a notebook cell), as Monarch would ship it.
+_PICKLERS = [p for p in (pickle.Pickler, CloudPickler) if p is not None]
 
 
 def transfer(obj: Any) -> Any:
-    """Return the copy of ``obj`` that a receiving actor would see (pickle round trip).
-
-    Raises the pickling error at the *sender*, as Monarch does, for things that cannot cross
-    a process boundary (open files, locks, generators, asyncio objects, ...).
-    """
+    """The copy of ``obj`` that a receiving actor would see (a pickle round trip); what
+    cannot cross a process boundary (a lock, a generator, ...) raises here, at the sender."""
     if isinstance(obj, (_IMMUTABLE, Handle)):
         return obj
-    # The C pickler first (fast); cloudpickle when something must travel by value (a class or
-    # lambda defined in a notebook cell), as Monarch would ship it.
-    for i, pickler in enumerate(_PICKLERS):
-        handles: list[Any] = []
+    handles: list[Any] = []
+
+    def out_of_band(item: Any) -> int | None:  # handles as they are, CPU tensors copied
+        kept = item if isinstance(item, Handle) else _copy_tensor(item)
+        if kept is None:
+            return None
+        handles.append(kept)
+        return len(handles) - 1
+
+    for i, pickler_class in enumerate(_PICKLERS, 1):
+        handles.clear()
         buf = io.BytesIO()
+        pickler = pickler_class(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = out_of_band
         try:
-            pickler(buf, handles).dump(obj)
+            pickler.dump(obj)
+            break
         except (pickle.PicklingError, AttributeError, TypeError):
-            if i == len(_PICKLERS) - 1:
+            if i == len(_PICKLERS):
                 raise
-            continue
-        buf.seek(0)
-        return _HandleUnpickler(buf, handles).load()
-    raise AssertionError("unreachable")
+    buf.seek(0)
+    unpickler = pickle.Unpickler(buf)
+    unpickler.persistent_load = handles.__getitem__
+    return unpickler.load()
 
 
 class ActorError(Exception):
-    """An exception raised inside an actor, as the caller sees it.
+    """An exception raised inside an actor, as the caller sees it: ``exception`` is the
+    original; ``str()`` includes the traceback of where the remote call failed."""
 
-    ``exception`` is the original exception; ``str()`` includes the traceback *of the place
-    where the remote call failed* (the caller's own traceback says nothing useful about it).
-    """
-
-    def __init__(self, exception: BaseException, message: str = "A remote actor call has failed.") -> None:
+    def __init__(self, exception: BaseException, message: str = "A remote actor call has failed.",
+                 formatted: str | None = None) -> None:
         super().__init__(message)
-        self.exception = exception
-        lines = TracebackException.from_exception(exception).format()
-        self.exception_formatted = "".join(lines).replace(
+        self.exception, self.message = exception, message
+        self.exception_formatted = formatted or "".join(
+            TracebackException.from_exception(exception).format()).replace(
             "Traceback (most recent call last):",
-            "Traceback of where the remote call failed (most recent call last):",
-        )
-        self.message = message
+            "Traceback of where the remote call failed (most recent call last):")
 
     def __str__(self) -> str:
         return f"{self.message}\n {self.exception_formatted}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ActorError, (self.exception, self.message))
+        # The traceback does not pickle: its text travels with the exception.
+        return (ActorError, (self.exception, self.message, self.exception_formatted))
 
 
-class Point(Mapping[str, int]):
+class Point(dict[str, int]):
     """A coordinate in a mesh, e.g. ``{"gpus": 2}``; ``.rank`` is its flat index."""
 
     def __init__(self, rank: int, extent: Mapping[str, int]) -> None:
-        self.rank = rank
-        self.extent = dict(extent)
-        coords: dict[str, int] = {}
-        rest = rank
-        for label in reversed(list(self.extent)):
-            coords[label] = rest % self.extent[label]
-            rest //= self.extent[label]
-        self._coords = {k: coords[k] for k in self.extent}
-
-    def __getitem__(self, key: str) -> int:
-        return self._coords[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._coords)
-
-    def __len__(self) -> int:
-        return len(self._coords)
+        sizes = list(extent.values())
+        super().__init__({k: rank // math.prod(sizes[i + 1:]) % n
+                          for i, (k, n) in enumerate(extent.items())})
+        self.rank, self.extent = rank, dict(extent)
 
     def __repr__(self) -> str:
-        return f"Point({self._coords}, rank={self.rank})"
+        return f"Point({dict(self)}, rank={self.rank})"
 
 
 class ValueMesh(Generic[R]):
@@ -186,22 +127,17 @@ class ValueMesh(Generic[R]):
         for rank, value in enumerate(self._values):
             yield Point(rank, self.extent), value
 
+    __iter__ = items
+
     def item(self, **coords: int) -> R:
-        """The single value (no arguments on a one-actor mesh), or the one at ``coords``."""
-        if not coords:
-            if len(self._values) != 1:
-                raise ValueError(f"item() needs coordinates on a mesh of {len(self._values)} values")
-            return self._values[0]
-        for point, value in self.items():
-            if all(point[k] == v for k, v in coords.items()):
-                return value
-        raise KeyError(coords)
+        """The value at ``coords`` (none needed on a one-actor mesh)."""
+        found = [v for point, v in self.items() if all(point[k] == c for k, c in coords.items())]
+        if len(found) != 1:
+            raise ValueError(f"item({coords}) matches {len(found)} of {len(self)} values")
+        return found[0]
 
     def __len__(self) -> int:
         return len(self._values)
-
-    def __iter__(self) -> Iterator[tuple[Point, R]]:
-        return self.items()
 
     def __repr__(self) -> str:
         return f"ValueMesh({self.extent}): {self._values!r}"
@@ -222,11 +158,8 @@ def home_loop() -> asyncio.AbstractEventLoop:
 
 
 class Future(Generic[R]):
-    """A result that is awaited (``await fut``) in async code, or ``fut.get()`` in sync code.
-
-    The message has already been sent when a Future exists: not awaiting it does not cancel
-    the work, it only ignores the answer.
-    """
+    """A result to ``await`` in async code, or ``.get()`` in sync code. The message is sent
+    already: not awaiting a Future ignores the answer, it does not cancel the work."""
 
     def __init__(self, make: Callable[[], Awaitable[R]]) -> None:
         self._make = make
@@ -241,25 +174,18 @@ class Future(Generic[R]):
         return self._ensure().__await__()
 
     def get(self, timeout: float | None = None) -> R:
-        """Block until the value is there. Only from synchronous code (no running loop)."""
+        """Block until the value is there; only from synchronous code."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            pass
-        else:
-            raise RuntimeError("Future.get() inside a running event loop would block it: use `await`")
-        loop = home_loop()
-        return loop.run_until_complete(asyncio.wait_for(self._ensure(), timeout))
+            return home_loop().run_until_complete(asyncio.wait_for(self._ensure(), timeout))
+        raise RuntimeError("Future.get() inside a running event loop would block it: use `await`")
 
 
 # Set while a module-level actor class runs as a Monarch actor (grpo_nb.actors._monarch), so
 # the runtime functions its code calls (Channel.open, current_rank, send) use Monarch's.
-on_monarch: contextvars.ContextVar[bool] = contextvars.ContextVar("grpo_nb_on_monarch",
-                                                                  default=False)
-
-_current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar(
-    "grpo_nb_actor_point", default=None
-)
+on_monarch: contextvars.ContextVar[bool] = contextvars.ContextVar("grpo_nb_on_monarch", default=False)
+current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar("grpo_nb_actor_point", default=None)
 
 
 def current_rank() -> Point:
@@ -268,7 +194,68 @@ def current_rank() -> Point:
         import monarch.actor
 
         return monarch.actor.current_rank()
-    point = _current_point.get()
+    point = current_point.get()
     if point is None:
         raise RuntimeError("current_rank() is only defined inside an actor endpoint")
     return point
+
+
+class PortReceiver(Generic[R]):
+    """The receiving end of a channel: ``await receiver.recv()`` yields messages in order."""
+
+    def __init__(self) -> None:
+        # Unbounded, like Monarch's: sending never blocks, so a slow consumer shows up as
+        # queue depth (a metric the toy ring records), not as a stalled producer.
+        self._queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+
+    async def _recv(self) -> R:
+        ok, item = await self._queue.get()
+        if not ok:
+            raise item
+        return item
+
+    def recv(self) -> Future[R]:
+        """A future of the next message (raises if the sender called ``Port.exception``)."""
+        return Future(self._recv)
+
+    def qsize(self) -> int:
+        """Messages waiting (grpo_nb only: torchmonarch's receiver does not expose it)."""
+        return self._queue.qsize()
+
+
+class Port(Handle, Generic[R]):
+    """The sending end of a channel. ``send`` copies the value and returns at once."""
+
+    def __init__(self, receiver: PortReceiver[R], once: bool = False) -> None:
+        self._receiver, self._once, self._used = receiver, once, False
+
+    def _put(self, ok: bool, item: Any) -> None:
+        if self._once and self._used:
+            raise ValueError("this port was opened with once=True and has already been used")
+        self._used = True
+        self._receiver._queue.put_nowait((ok, item))
+
+    def send(self, obj: R) -> None:
+        """Deliver a copy of ``obj`` to the receiver, after everything sent on it before."""
+        self._put(True, transfer(obj))
+
+    def exception(self, error: BaseException) -> None:
+        """Make the receiver's next ``recv()`` raise ``error`` (after earlier messages)."""
+        self._put(False, transfer(error))
+
+    def __repr__(self) -> str:
+        return f"Port(once={self._once}, waiting={self._receiver.qsize()})"
+
+
+class Channel(Generic[R]):
+    """``Channel.open()``: a ``Port`` (an address that any number of actors may write to) and
+    the ``PortReceiver`` that stays with the opener; ``once=True``: a port for one reply."""
+
+    @staticmethod
+    def open(once: bool = False) -> tuple[Port[R], PortReceiver[R]]:
+        if on_monarch.get():  # inside an actor running on Monarch: a Monarch channel
+            import monarch.actor
+
+            return monarch.actor.Channel.open(once)
+        receiver: PortReceiver[R] = PortReceiver()
+        return Port(receiver, once=once), receiver

@@ -1,33 +1,24 @@
-"""Actors, endpoints and meshes on one asyncio loop, with Monarch's rules.
+"""Actors, endpoints and meshes on one asyncio loop, with torchmonarch's rules.
 
-::
-
-    this_host().spawn_procs(per_host={"gpus": 4})      ProcMesh  (4 "processes": labels only)
-        └─ .spawn("gen", Generator, port)              ActorMesh (4 actors, each its own copy
-                                                                  of the constructor arguments)
-    mesh.endpoint.call(x) ──► mailbox of each actor ──► one message at a time ──► Future[ValueMesh]
-                 .call_one / .choose / .broadcast       (concurrent_endpoint: runs as a task)
-    mesh.stop() ──► cancel the running message ──► fail the queued ones ──► __cleanup__(None)
-
-Rules mirrored from torchmonarch (so that code written here runs there):
 - an actor handles one message at a time; ``@concurrent_endpoint`` opts a method out;
 - an actor's endpoints are all ``async def`` or all ``def`` (and ``__cleanup__`` matches);
 - endpoint names may not shadow mesh attributes such as ``stop``;
 - ``call_one`` on a mesh of several actors is an error;
 - an exception inside an endpoint reaches the caller as :class:`ActorError` with the remote
-  traceback; one in a fire-and-forget message (``broadcast``/``send`` without a port) is
+  traceback; one in a fire-and-forget message (``broadcast``, ``send`` without a port) is
   logged and kept in :func:`unhandled_errors`, never swallowed;
-- arguments and results are copied (see :mod:`grpo_nb.actors._core`).
+- arguments and results are copied (:func:`grpo_nb.actors._core.transfer`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,12 +27,13 @@ from grpo_nb.actors._core import (
     Future,
     Handle,
     Point,
+    Port,
+    PortReceiver,
     ValueMesh,
-    _current_point,
+    current_point,
     home_loop,
     transfer,
 )
-from grpo_nb.actors._ports import Port
 
 log = logging.getLogger("grpo_nb.actors")
 _unhandled: list[ActorError] = []
@@ -59,11 +51,11 @@ class _EndpointDef:
     """What ``@endpoint`` leaves on the class: the function plus how it is scheduled."""
 
     def __init__(self, fn: Callable[..., Any], concurrent: bool) -> None:
-        self.fn = fn
-        self.concurrent = concurrent
         self.is_async = inspect.iscoroutinefunction(fn)
-        self.__doc__ = fn.__doc__
-        self.__name__ = fn.__name__
+        if concurrent and not self.is_async:
+            raise TypeError(f"@concurrent_endpoint needs an async def, got {fn.__qualname__}")
+        self.fn, self.concurrent = fn, concurrent
+        self.__doc__, self.__name__ = fn.__doc__, fn.__name__
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         # Inside the actor, ``self.method(...)`` is a plain method call (no message).
@@ -72,21 +64,13 @@ class _EndpointDef:
 
 def endpoint(fn: Callable[..., Any] | None = None, **_options: Any) -> Any:
     """Mark an actor method as callable through meshes (``@endpoint`` or ``@endpoint(...)``)."""
-    if fn is None:
-        return lambda f: _EndpointDef(f, concurrent=False)
-    return _EndpointDef(fn, concurrent=False)
+    return (lambda f: _EndpointDef(f, False)) if fn is None else _EndpointDef(fn, False)
 
 
 def concurrent_endpoint(fn: Callable[..., Any] | None = None, **_options: Any) -> Any:
     """Like :func:`endpoint`, but each message runs as its own task, so the actor can take
     the next message while this one awaits. It must be ``async def``."""
-
-    def wrap(f: Callable[..., Any]) -> _EndpointDef:
-        if not inspect.iscoroutinefunction(f):
-            raise TypeError(f"@concurrent_endpoint needs an async def, got {f.__qualname__}")
-        return _EndpointDef(f, concurrent=True)
-
-    return wrap if fn is None else wrap(fn)
+    return (lambda f: _EndpointDef(f, True)) if fn is None else _EndpointDef(fn, True)
 
 
 class Actor:
@@ -95,15 +79,11 @@ class Actor:
 
 
 def _endpoints_of(cls: type) -> dict[str, _EndpointDef]:
-    found: dict[str, _EndpointDef] = {}
-    for klass in reversed(cls.__mro__):
-        for name, value in vars(klass).items():
-            if isinstance(value, _EndpointDef):
-                found[name] = value
-    return found
+    return {name: value for klass in reversed(cls.__mro__) for name, value in vars(klass).items()
+            if isinstance(value, _EndpointDef)}
 
 
-def _check_actor_class(cls: type) -> dict[str, _EndpointDef]:
+def _check_actor_class(cls: type) -> None:
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"{cls!r} is not a subclass of grpo_nb.actors.Actor")
     eps = _endpoints_of(cls)
@@ -116,7 +96,6 @@ def _check_actor_class(cls: type) -> dict[str, _EndpointDef]:
     cleanup = getattr(cls, "__cleanup__", None)
     if cleanup is not None and kinds == {True} and not inspect.iscoroutinefunction(cleanup):
         raise ValueError(f"{cls.__name__} has async endpoints but a synchronous __cleanup__")
-    return eps
 
 
 @dataclass
@@ -124,8 +103,7 @@ class _Message:
     method: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    reply: asyncio.Future[Any] | None  # None: fire-and-forget (errors are reported)
-    port: Port[Any] | None = None  # send(..., port=p): the result goes there
+    port: Port[Any] | None  # where the result or error goes; None: errors are reported
 
 
 class _Cell:
@@ -135,21 +113,27 @@ class _Cell:
         self.cls, self.name, self.point = cls, name, point
         self.endpoints = _endpoints_of(cls)
         self.mailbox: asyncio.Queue[_Message] = asyncio.Queue()
-        self.current: _Message | None = None
         self.side_tasks: set[asyncio.Task[Any]] = set()
         self.stopped = False
         self.instance: Any = None
         self.init_error: BaseException | None = None
         self.task = home_loop().create_task(self._main(args, kwargs), name=f"actor:{name}[{point.rank}]")
 
-    async def _main(self, args: tuple, kwargs: dict) -> None:
-        token = _current_point.set(self.point)
+    @contextlib.contextmanager
+    def _here(self) -> Iterator[None]:
+        """``current_rank()`` is this actor's point inside the block."""
+        token = current_point.set(self.point)
         try:
-            self.instance = self.cls(*args, **kwargs)
-        except Exception as err:  # reported on every call, like a failed remote spawn
-            self.init_error = err
+            yield
         finally:
-            _current_point.reset(token)
+            current_point.reset(token)
+
+    async def _main(self, args: tuple, kwargs: dict) -> None:
+        with self._here():
+            try:
+                self.instance = self.cls(*args, **kwargs)
+            except Exception as err:  # reported on every call, like a failed remote spawn
+                self.init_error = err
         while True:
             msg = await self.mailbox.get()
             if self.init_error is not None:
@@ -159,48 +143,36 @@ class _Cell:
                 self.side_tasks.add(task)
                 task.add_done_callback(self.side_tasks.discard)
             else:
-                self.current = msg
                 await self._handle(msg)
-                self.current = None
 
     async def _handle(self, msg: _Message) -> None:
-        token = _current_point.set(self.point)
-        try:
-            out = getattr(self.instance, msg.method)(*msg.args, **msg.kwargs)
-            if inspect.isawaitable(out):
-                out = await out
-        except asyncio.CancelledError:
-            self._deliver(msg, None, ActorError(asyncio.CancelledError(), f"{self.name}.{msg.method} was cancelled (actor stopped)."))
-            raise
-        except Exception as err:
-            self._deliver(msg, None, ActorError(err, f"Actor call {self.name}.{msg.method} failed."))
-        else:
-            self._deliver(msg, out, None)
-        finally:
-            _current_point.reset(token)
+        with self._here():
+            try:
+                out = getattr(self.instance, msg.method)(*msg.args, **msg.kwargs)
+                if inspect.isawaitable(out):
+                    out = await out
+            except asyncio.CancelledError:
+                self._deliver(msg, None, ActorError(asyncio.CancelledError(), f"{self.name}.{msg.method} was cancelled (actor stopped)."))
+                raise
+            except Exception as err:
+                self._deliver(msg, None, ActorError(err, f"Actor call {self.name}.{msg.method} failed."))
+            else:
+                self._deliver(msg, out, None)
 
     def _deliver(self, msg: _Message, value: Any, error: ActorError | None) -> None:
-        if msg.port is not None:
+        if msg.port is None:
+            if error is not None and not isinstance(error.exception, asyncio.CancelledError):
+                _unhandled.append(error)
+                log.error("unhandled error in fire-and-forget %s.%s\n%s", self.name, msg.method, error)
+            return
+        try:
             if error is None:
                 msg.port.send(value)
-            else:
-                msg.port.exception(error)
-        elif msg.reply is not None:
-            if msg.reply.done():
                 return
-            if error is None:
-                try:
-                    msg.reply.set_result(transfer(value))
-                except Exception as err:  # an unpicklable result is the endpoint's failure
-                    msg.reply.set_exception(ActorError(err, f"{self.name}.{msg.method}: result cannot be sent"))
-            else:
-                msg.reply.set_exception(error)
-                if isinstance(error.exception, asyncio.CancelledError):
-                    # Stopped by its owner: an unawaited future of it is not a lost error.
-                    msg.reply.exception()
-        elif error is not None and not isinstance(error.exception, asyncio.CancelledError):
-            _unhandled.append(error)
-            log.error("unhandled error in fire-and-forget %s.%s\n%s", self.name, msg.method, error)
+            msg.port.exception(error)
+        except Exception as err:  # a result or an error that cannot be pickled
+            what = "result" if error is None else f"error ({error})"
+            msg.port.exception(ActorError(err, f"{self.name}.{msg.method}: its {what} cannot be sent"))
 
     def post(self, msg: _Message) -> None:
         if self.stopped:
@@ -220,18 +192,19 @@ class _Cell:
         while not self.mailbox.empty():
             msg = self.mailbox.get_nowait()
             self._deliver(msg, None, ActorError(RuntimeError(f"actor {self.name} stopped before handling {msg.method}")))
-        cleanup = getattr(self.instance, "__cleanup__", None)
-        if cleanup is not None:
-            token = _current_point.set(self.point)
-            try:
-                out = cleanup(None)
-                if inspect.isawaitable(out):
-                    await out
-            except Exception as err:
-                _unhandled.append(ActorError(err, f"{self.name}.__cleanup__ failed."))
-                log.error("%s.__cleanup__ failed", self.name, exc_info=err)
-            finally:
-                _current_point.reset(token)
+        if getattr(self.instance, "__cleanup__", None) is not None:  # its errors are reported
+            await self._handle(_Message("__cleanup__", (None,), {}, None))
+
+
+def _stop_now(cells: list[_Cell]) -> Future[None]:
+    """Stop ``cells``: stopping starts now, whether the future is awaited or not."""
+
+    async def stop_all() -> None:
+        await asyncio.gather(*(c.stop() for c in cells))
+
+    fut: Future[None] = Future(stop_all)
+    fut._ensure()
+    return fut
 
 
 class MeshEndpoint(Handle):
@@ -240,23 +213,24 @@ class MeshEndpoint(Handle):
     def __init__(self, mesh: ActorMesh, name: str) -> None:
         self._mesh, self._name = mesh, name
 
-    def _post(self, cells: list[_Cell], args: tuple, kwargs: dict, want_reply: bool, port: Port | None = None) -> list[asyncio.Future[Any]]:
-        loop = home_loop()
-        replies = []
-        for cell in cells:
-            reply = loop.create_future() if want_reply else None
-            # Each receiver gets its own copy, as each process would unpickle its own.
-            cell.post(_Message(self._name, transfer(args), transfer(kwargs), reply, port))
-            if reply is not None:
-                replies.append(reply)
-        return replies
+    def _post(self, cells: list[_Cell], args: tuple, kwargs: dict, port: Port | None = None,
+              reply: bool = False) -> list[PortReceiver[Any]]:
+        """Post to each of ``cells``; with ``reply``, each with a reply port of its own, whose
+        receivers are returned in order."""
+        receivers: list[PortReceiver[Any]] = []
+        for cell in cells:  # each receiver gets its own copy, as each process would unpickle its own
+            if reply:
+                receivers.append(PortReceiver())
+                port = Port(receivers[-1], once=True)
+            cell.post(_Message(self._name, transfer(args), transfer(kwargs), port))
+        return receivers
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
         """Send to every actor; the future holds one value per actor."""
-        replies = self._post(self._mesh._cells, args, kwargs, True)
+        receivers = self._post(self._mesh._cells, args, kwargs, reply=True)
 
         async def gather() -> ValueMesh[Any]:
-            return ValueMesh(list(await asyncio.gather(*replies)), self._mesh.extent)
+            return ValueMesh(list(await asyncio.gather(*(r.recv() for r in receivers))), self._mesh.extent)
 
         return Future(gather)
 
@@ -264,23 +238,15 @@ class MeshEndpoint(Handle):
         """Send to the mesh's only actor (an error on a mesh of several)."""
         if len(self._mesh._cells) != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {len(self._mesh._cells)}")
-        (reply,) = self._post(self._mesh._cells, args, kwargs, True)
-        return Future(lambda: reply)
+        return self._post(self._mesh._cells, args, kwargs, reply=True)[0].recv()
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Send to one actor picked at random (load balancing); the future holds its value."""
-        (reply,) = self._post([random.choice(self._mesh._cells)], args, kwargs, True)
-        return Future(lambda: reply)
+        return self._post([random.choice(self._mesh._cells)], args, kwargs, reply=True)[0].recv()
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Send to every actor and do not wait; failures are logged, not returned."""
-        self._post(self._mesh._cells, args, kwargs, False)
-
-    def _send(self, args: tuple, kwargs: dict, port: Port | None, selection: Selection) -> None:
-        if selection not in ("all", "choose"):
-            raise ValueError(f"selection must be 'all' or 'choose', got {selection!r}")
-        cells = self._mesh._cells if selection == "all" else [random.choice(self._mesh._cells)]
-        self._post(cells, args, kwargs, False, port)
+        self._post(self._mesh._cells, args, kwargs)
 
 
 def send(endpoint: MeshEndpoint, args: tuple, kwargs: dict, port: Port | None = None, selection: Selection = "all") -> None:
@@ -292,7 +258,11 @@ def send(endpoint: MeshEndpoint, args: tuple, kwargs: dict, port: Port | None = 
 
         monarch.actor.send(endpoint, tuple(args), dict(kwargs), port=port, selection=selection)
         return
-    endpoint._send(tuple(args), dict(kwargs), port, selection)
+    if selection not in ("all", "choose"):
+        raise ValueError(f"selection must be 'all' or 'choose', got {selection!r}")
+    cells = endpoint._mesh._cells
+    endpoint._post(cells if selection == "all" else [random.choice(cells)], tuple(args),
+                   dict(kwargs), port)
 
 
 class ActorMesh(Handle):
@@ -321,14 +291,7 @@ class ActorMesh(Handle):
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
         """Stop every actor: cancel its running message, fail queued ones, run ``__cleanup__``."""
-        cells = list(self._cells)
-
-        async def stop_all() -> None:
-            await asyncio.gather(*(c.stop() for c in cells))
-
-        fut: Future[None] = Future(stop_all)
-        fut._ensure()  # stopping starts now, awaited or not
-        return fut
+        return _stop_now(list(self._cells))
 
     def __repr__(self) -> str:
         return f"ActorMesh({self._name!r}, {self._class.__name__}, {self.extent})"
@@ -348,23 +311,14 @@ class ProcMesh(Handle):
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """One ``cls`` actor per process; each constructor gets its own copy of the arguments."""
         _check_actor_class(cls)
-        cells = [
-            _Cell(cls, name, Point(rank, self.extent), transfer(args), transfer(kwargs))
-            for rank in range(self.size)
-        ]
+        cells = [_Cell(cls, name, Point(rank, self.extent), transfer(args), transfer(kwargs))
+                 for rank in range(self.size)]
         mesh = ActorMesh(name, cls, cells, self.extent)
         self._meshes.append(mesh)
         return mesh
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
-        meshes = list(self._meshes)
-
-        async def stop_all() -> None:
-            await asyncio.gather(*(m.stop(reason) for m in meshes))
-
-        fut: Future[None] = Future(stop_all)
-        fut._ensure()
-        return fut
+        return _stop_now([c for m in self._meshes for c in m._cells])
 
 
 class HostMesh:

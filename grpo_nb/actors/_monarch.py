@@ -1,23 +1,11 @@
-"""Run the same module-level actor classes on real torchmonarch processes.
+"""The same module-level actor classes on torchmonarch processes.
 
-An actor class is written once, at module level, against :mod:`grpo_nb.actors`::
-
-    class Trainer(Actor):
-        @endpoint
-        async def step(self, batch): ...
-
-Spawned on a ``grpo_nb.actors`` proc mesh it runs in this process on asyncio. Spawned on a
-Monarch proc mesh (``procs.spawn("trainer", on_monarch(Trainer))``) it runs as a
-``monarch.actor.Actor`` subclass built here::
-
-    Trainer ──on_monarch──► grpo_nb.actors._monarch.<module>__Trainer  (Trainer + monarch Actor,
-                            every @endpoint re-declared with Monarch's decorator)
-
-Why a module attribute? Monarch pickles the class to start it in another process, and pickle
-finds a class by module and name. This module's ``__getattr__`` rebuilds the same class from
-that name in any process (PEP 562), so the subclass travels by reference like a hand-written
-one. While the actor's code runs, :data:`grpo_nb.actors._core.on_monarch` is set, so
-``Channel.open()``, ``current_rank()`` and ``send()`` called inside it use Monarch's.
+``on_monarch_class(Trainer)`` is a subclass of ``Trainer`` and of ``monarch.actor.Actor`` whose
+endpoints are re-declared with Monarch's decorators. Monarch pickles a class to start it in
+another process, and pickle finds a class by module and name, so the subclass is published as
+an attribute of this module that ``__getattr__`` (PEP 562) rebuilds in any process. While the
+actor's code runs, ``on_monarch`` is set, so ``Channel.open``, ``current_rank`` and ``send``
+use Monarch's.
 """
 
 from __future__ import annotations
@@ -38,6 +26,8 @@ _SEP = "__"  # module dots become this in the attribute name; no grpo_nb module 
 _built: dict[str, type] = {}
 
 
+# The wrappers reach the flag through module-level functions only: a class sent by value
+# (cloudpickle) takes its wrappers' globals along, and a ContextVar does not pickle.
 def _enter() -> contextvars.Token:
     return on_monarch.set(True)
 
@@ -47,11 +37,7 @@ def _leave(token: contextvars.Token) -> None:
 
 
 def _in_monarch(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with :data:`on_monarch` set while it runs (tasks it starts inherit the flag).
-
-    The wrappers reach the flag through module-level functions only: a class sent by value
-    (cloudpickle) takes its wrappers' globals along, and a ContextVar does not pickle.
-    """
+    """``fn`` with ``on_monarch`` set while it runs (tasks it starts inherit the flag)."""
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
@@ -77,24 +63,19 @@ def _in_monarch(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _build(cls: type, module: str, qualname: str) -> type:
     namespace: dict[str, Any] = {"__module__": module, "__qualname__": qualname,
-                                 "__doc__": cls.__doc__}
+                                 "__doc__": cls.__doc__, "__init__": _in_monarch(cls.__init__)}
     for attr, ep in _endpoints_of(cls).items():
         decorator = monarch.concurrent_endpoint if ep.concurrent else monarch.endpoint
         namespace[attr] = decorator(_in_monarch(ep.fn))
-    namespace["__init__"] = _in_monarch(cls.__init__)
-    cleanup = getattr(cls, "__cleanup__", None)
-    if cleanup is not None:
+    if (cleanup := getattr(cls, "__cleanup__", None)) is not None:
         namespace["__cleanup__"] = _in_monarch(cleanup)
     return type(cls.__name__, (cls, monarch.Actor), namespace)
 
 
 def on_monarch_class(cls: type) -> type:
-    """The Monarch actor class for ``cls``, a ``grpo_nb.actors.Actor`` subclass.
-
-    A class defined at module level travels by reference (its module is imported in the
-    actor's process); one defined in a notebook or a function travels by value (cloudpickle),
-    as Monarch does with any such class.
-    """
+    """The Monarch actor class for ``cls``, a ``grpo_nb.actors.Actor`` subclass. A class
+    defined at module level travels by reference; one defined in a notebook or a function
+    travels by value (cloudpickle), as Monarch ships any such class."""
     if cls.__module__ == "__main__" or "." in cls.__qualname__:
         key = f"{cls.__module__}:{cls.__qualname__}:{id(cls)}"
         if key not in _built:  # a qualname that cannot be looked up: cloudpickle sends it by value

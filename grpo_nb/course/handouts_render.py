@@ -1,21 +1,8 @@
-"""Executing notebooks and rendering them for handouts: HTML pages and a PDF via Chromium.
-
-Data flow::
-
-    notebook ─► execute() ─► flatten_widgets() ─► render_html() ─► page.html
-    (nbclient,   (widget views → the static          (nbconvert; images     │
-     smoke or     outputs they showed: plots inside    inline as data URIs)  ▼
-     full)        Output widgets survive without JS)               print_pdf() ─► .pdf
-                                                                   (Debian's Chromium)
-
-The PDF is printed by Debian's Chromium through Playwright rather than by nbconvert's
-``WebPDFExporter``, because that exporter only launches Playwright's own downloaded browser and
-nothing may be downloaded on the course machines; the page it prints uses nbconvert's ``webpdf``
-template, so the result matches ``jupyter nbconvert --to webpdf``. Formulas are typeset by
-Debian's MathJax 2 (``libjs-mathjax``, installed by ``make system-deps``): :func:`ship_mathjax`
-copies the part of it the pages use (about 1.5 MB) next to the HTML pages, which load it by a
-relative URL, so a handout folder shows typeset formulas in a room without internet. The
-browser test reuses :data:`CHROMIUM_ARGS` and :func:`chromium_executable`.
+"""Executing notebooks and rendering them for handouts: HTML pages, and a PDF printed by
+Debian's Chromium through Playwright (nbconvert's ``WebPDFExporter`` launches only Playwright's
+own downloaded browser, and nothing may be downloaded on the course machines). Formulas are
+typeset by Debian's MathJax 2 (``libjs-mathjax``), copied next to the pages so that a handout
+folder works without internet.
 """
 
 from __future__ import annotations
@@ -37,47 +24,29 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 FROM_WIDGET = "grpo_nb_from_widget"  # output metadata flag: this output was inside a widget
 LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax/MathJax.js")
 MATHJAX_CONFIG = "TeX-AMS_CHTML-full,Safe"  # nbconvert's own choice for its CDN copy
-# What MATHJAX_CONFIG loads in a browser (TeX in, CommonHTML out, its web fonts), relative to
-# the MathJax folder; the rest of the package (SVG/HTML-CSS output, unpacked sources) is 50 MB.
-MATHJAX_PARTS = (
-    "MathJax.js",
-    "config/TeX-AMS_CHTML-full.js",
-    "config/Safe.js",
-    "extensions",
-    "jax/input/TeX",
-    "jax/output/CommonHTML",
-    "jax/element",
-    "fonts/HTML-CSS/TeX/woff",
-    "localization/en",
-)
-# Playwright adds --headless itself and takes the profile folder as an argument of
-# launch_persistent_context; these are the rest. Background networking, component updates and
-# sync would try to reach Google from a machine without internet and stall page loads.
-CHROMIUM_ARGS = [
-    "--no-sandbox",  # we run as root in containers, where Chromium's sandbox cannot start
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+# What MATHJAX_CONFIG loads in a browser (TeX in, CommonHTML out, its web fonts), a small part
+# of the package.
+MATHJAX_PARTS = ("MathJax.js", "config/TeX-AMS_CHTML-full.js", "config/Safe.js", "extensions",
+                 "jax/input/TeX", "jax/output/CommonHTML", "jax/element",
+                 "fonts/HTML-CSS/TeX/woff", "localization/en")
+# Playwright adds --headless and the profile folder itself. Background networking, component
+# updates and sync would try to reach Google from a machine without internet and stall loads.
+# --no-sandbox: as root in a container, Chromium's sandbox cannot start.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
 
 
 def execute(nb: NotebookNode, cwd: Path, full: bool, timeout_s: int) -> tuple[str | None, float]:
-    """Run ``nb`` in place as nbmake does (working dir = its folder); return (error, seconds).
-
-    A failing notebook keeps the outputs up to the failure, so its page still shows what went
-    wrong; the error is also returned for the index.
-    """
+    """Run ``nb`` in place in its folder, as nbmake does; ``(error or None, seconds)``. A failing
+    notebook keeps its outputs up to the failure, so its page shows what went wrong."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from nbconvert.filters import strip_ansi
 
     env = dict(os.environ, GRPO_NB_SMOKE="0" if full else "1")
-    client = NotebookClient(
-        nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
-    )
+    client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
+                            resources={"metadata": {"path": str(cwd)}})
     start = time.monotonic()
     try:
         client.execute(env=env)
@@ -109,20 +78,15 @@ def _widget_outputs(model_id: str, state: dict[str, Any], depth: int = 0) -> lis
     if "children" not in st:
         return [nbformat.v4.new_output("display_data", data={"text/html": _leaf_html(name, st)})]
     children = [state.get(str(c).removeprefix("IPY_MODEL_"), {}) for c in st["children"]]
-    leaves = all(
-        "children" not in c.get("state", {}) and c.get("model_name") != "OutputModel"
-        for c in children
-    )
+    leaves = all("children" not in c.get("state", {}) and c.get("model_name") != "OutputModel"
+                 for c in children)
     if name == "HBoxModel" and leaves:
         # a row of controls, such as tqdm's bar: one line, as in JupyterLab
         row = " ".join(_leaf_html(c.get("model_name", ""), c.get("state", {})) for c in children)
         html_row = f'<div style="display:flex;gap:.6em;align-items:center">{row}</div>'
         return [nbformat.v4.new_output("display_data", data={"text/html": html_row})]
-    return [  # VBox, interact's container: one output per child, in order
-        out
-        for child in st["children"]
-        for out in _widget_outputs(str(child).removeprefix("IPY_MODEL_"), state, depth + 1)
-    ]
+    return [out for child in st["children"]  # VBox, interact's container: each child in turn
+            for out in _widget_outputs(str(child).removeprefix("IPY_MODEL_"), state, depth + 1)]
 
 
 def _flatten_outputs(outputs: list[Any], state: dict[str, Any], depth: int) -> list[Any]:
@@ -140,11 +104,8 @@ def _flatten_outputs(outputs: list[Any], state: dict[str, Any], depth: int) -> l
 
 
 def flatten_widgets(nb: NotebookNode) -> NotebookNode:
-    """Replace widget views by the outputs they showed when the notebook finished.
-
-    An HTML page would otherwise need the widget manager from a CDN to draw anything inside a
-    widget, including the plots notebook 03 draws into ``Output`` widgets under its sliders.
-    """
+    """Replace widget views by the outputs they showed when the notebook finished: a page would
+    otherwise need the widget manager from a CDN to draw anything inside a widget."""
     out = copy.deepcopy(nb)
     state = out.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     for cell in out.cells:
@@ -155,12 +116,9 @@ def flatten_widgets(nb: NotebookNode) -> NotebookNode:
 
 
 def ship_mathjax(dest: Path, source: Path = LOCAL_MATHJAX.parent) -> str:
-    """Copy MathJax's browser files into ``dest``; return the URL a page next to ``dest`` uses.
-
-    The URL is relative (``<dest name>/MathJax.js?config=…``), so the pages and the folder can
-    be moved or zipped together. Raises FileNotFoundError with the install command when
-    Debian's MathJax is missing: a handout that silently needs the internet is worse.
-    """
+    """Copy MathJax's browser files into ``dest``; return the relative URL a page next to
+    ``dest`` loads it by (the folder can be moved or zipped with the pages). A missing MathJax
+    raises: a handout that silently needs the internet is worse."""
     if not (source / "MathJax.js").is_file():
         raise FileNotFoundError(f"no MathJax at {source}: apt-get install libjs-mathjax "
                                 "(make system-deps does it)")
@@ -175,20 +133,9 @@ def ship_mathjax(dest: Path, source: Path = LOCAL_MATHJAX.parent) -> str:
     return f"{dest.name}/MathJax.js?config={MATHJAX_CONFIG}"
 
 
-def local_mathjax_url() -> str | None:
-    """Debian's MathJax 2 (``libjs-mathjax``), for printing formulas without internet."""
-    if not LOCAL_MATHJAX.is_file():
-        return None
-    return f"{LOCAL_MATHJAX.as_uri()}?config={MATHJAX_CONFIG}"
-
-
-def render_html(nb: NotebookNode, template: str = "lab", mathjax_url: str | None = None) -> str:
-    """One self-contained page: nbconvert inlines output images and the template's CSS.
-
-    ``mathjax_url`` is where the page loads MathJax from: the relative URL of
-    :func:`ship_mathjax` for handed-out pages (never a path into this machine's file system),
-    nbconvert's CDN default when None.
-    """
+def render_html(nb: NotebookNode, mathjax_url: str | None, template: str = "lab") -> str:
+    """One self-contained page (images and CSS inline) loading MathJax from ``mathjax_url``
+    (nbconvert's CDN when None)."""
     from nbconvert import HTMLExporter
 
     extra = {"mathjax_url": mathjax_url} if mathjax_url else {}
@@ -205,32 +152,26 @@ def chromium_executable() -> str:
     return path
 
 
-def _wait_for_mathjax(page: Any, timeout_ms: int = 60_000) -> None:
-    """Let MathJax finish typesetting, if it loaded at all (a CDN copy may not, offline)."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    try:
-        page.wait_for_function("() => window.MathJax && window.MathJax.Hub", timeout=5_000)
-    except PlaywrightTimeout:
-        return  # no MathJax: formulas stay as TeX source, still readable
-    page.evaluate("() => new Promise(done => window.MathJax.Hub.Queue(done))")
-    page.wait_for_timeout(300)
-
-
 def print_pdf(html_path: Path, pdf_path: Path) -> None:
-    """Print an HTML file to PDF with the system Chromium, headless and offline."""
+    """Print an HTML file to PDF with the system Chromium, headless and offline, once MathJax
+    (if it loaded) has typeset the formulas."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory() as profile, sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(
-            profile, executable_path=chromium_executable(), headless=True, args=CHROMIUM_ARGS
-        )
+        ctx = pw.chromium.launch_persistent_context(profile, executable_path=chromium_executable(),
+                                                    headless=True, args=CHROMIUM_ARGS)
         try:
             page = ctx.new_page()
             page.emulate_media(media="print")
             # "load", not "networkidle": scripts from a CDN may never answer offline.
             page.goto(html_path.resolve().as_uri(), wait_until="load", timeout=120_000)
-            _wait_for_mathjax(page)
+            try:
+                page.wait_for_function("() => window.MathJax && window.MathJax.Hub", timeout=5_000)
+                page.evaluate("() => new Promise(done => window.MathJax.Hub.Queue(done))")
+                page.wait_for_timeout(300)
+            except PlaywrightTimeout:
+                pass  # no MathJax: formulas stay as TeX source, still readable
             page.pdf(path=str(pdf_path), print_background=True, format="A4")
         finally:
             ctx.close()

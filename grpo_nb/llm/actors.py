@@ -1,76 +1,49 @@
-"""The LLM GRPO ring: the toy ring's four stages driving a Qwen model served by vLLM.
-
-The stages are :mod:`grpo_nb.ring`'s skeleton with the LLM's work filled in; each hop carries
-one message type, :class:`grpo_nb.serving.rollouts.Group`::
-
-    Generator × K ──Group──► Scorer ──+rewards, advantages──► Reference ──+ref logp──► Trainer
-      │ (Source)                (Relay)                        (Relay; passes       │ (Sink)
-      │ ≤ max_inflight sequences in flight each,                through when        │ staleness
-      │ /v1/completions with token ids + logprobs               kl_coef == 0)       │ admission
-      ▲                                                                             ▼
-      └──── progress(version, issued) to all ◄── WeightSyncer.sync(v) ◄── PolicyTrainer.step
-    every stage ──Event("step" | "sync" | "eval" | "dropped" | "busy" | "exited" | "error")──►
-    controller (grpo_nb.llm.run)
-
-Flow control is by *credits*: the trainer says how many groups it wants issued in total, and
-generator ``r`` of ``K`` makes its share of them. ``mode="async"`` keeps ``1 + max_ahead``
-steps' worth outstanding, so generation overlaps training; ``mode="sync"`` issues one step's
-worth only after the weights of the previous step reached the server, so the two alternate.
-Nothing else differs between the modes. The trainer drops a group older than
-``max_staleness`` versions (counted) and issues a new credit in its place.
-
-The Trainer is in :mod:`grpo_nb.llm.learner`. Shutdown is the skeleton's: the trainer drains the generators (each sends ``None``), the
-scorer and reference forward one ``None``, the trainer discards what is still queued.
+"""The LLM GRPO ring's four stages on :mod:`grpo_nb.ring`'s skeleton, like
+:mod:`grpo_nb.toy.actors`; each hop carries one :class:`~grpo_nb.llm.data.Group`. Credits:
+``mode="async"`` keeps ``1 + max_ahead`` steps' worth of groups issued (generation overlaps
+training), ``mode="sync"`` one step's worth, issued once the last step's weights are served.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from grpo_nb import grpo, tasks
 from grpo_nb.actors import current_rank, endpoint
+from grpo_nb.llm import placement
 from grpo_nb.llm.config import LLMConfig
-from grpo_nb.llm.data import Prompt, RingSpec
-from grpo_nb.llm.learner import Trainer  # the consuming end, in a module of its own
-from grpo_nb.llm.trainer import make_batch, sequence_logprobs
-from grpo_nb.ring import Relay, RingError, Source
-from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient
-from grpo_nb.serving.rollouts import Group, Rollout
-from grpo_nb.weight_sync.client import policy_salt
+from grpo_nb.llm.data import Group, RingSpec
+from grpo_nb.llm.policy import PolicyTrainer, completion_logprobs, load_policy
+from grpo_nb.llm.rollouts import greedy_accuracy, reward_group, sample_group
+from grpo_nb.ring import Relay, RingError, Sink, Source, cancel_task, share
+from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient, policy_salt
+from grpo_nb.weight_sync import WeightSyncer
 
-__all__ = ["Generator", "Reference", "RingSpec", "Scorer", "Trainer", "share"]
-
-
-def share(total: int, rank: int, k: int) -> int:
-    """Generator ``rank``'s share of ``total`` groups split as evenly as possible over ``k``."""
-    return total // k + (1 if rank < total % k else 0)
+__all__ = ["Generator", "Reference", "Scorer", "Trainer", "admit", "share"]
 
 
-def sampling_request(cfg: LLMConfig, version: int) -> dict[str, Any]:
-    """One group's request options: ``n = group_size`` samples (the server shares the
-    prompt's prefill), salted with the policy version so that no prompt KV of other weights
-    is reused (:func:`grpo_nb.weight_sync.policy_salt`). The trainer's log-probs are the full
-    softmax at ``cfg.temperature``, so nothing truncates the sampler's: ``top_p`` 1 here, and
-    the client sends every other sampling field at its neutral value
-    (:func:`grpo_nb.serving.client.sampling_fields`)."""
-    return {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": 1.0,
-            "n": cfg.group_size, "cache_salt": policy_salt(version)}
+def admit(step: int, group_version: int, max_staleness: int) -> bool:
+    """Train on a group sampled with weights ``step - group_version`` versions old?"""
+    return step - group_version <= max_staleness
+
+
+def _client(spec: RingSpec, max_in_flight: int, timeout_s: float) -> CompletionsClient:
+    return CompletionsClient(spec.server_url + "/v1", spec.model_name,
+                             ClientConfig(max_in_flight=max_in_flight, timeout_s=timeout_s,
+                                          retries=2), api_key=spec.api_key)
 
 
 class Generator(Source):
-    """Samples groups from the vLLM server, as many as the trainer's credits allow.
-
-    Only complete groups leave it: a group with a sample cut short by a sync
-    (``pause_mode="abort"``) or a request that failed (a 4xx such as a prompt over the
-    context length, a 5xx, a timeout) is dropped, counted (``"aborted"`` /
-    ``"request_failed"`` rows) and sampled again; more than ``error_budget`` failed requests
-    end the run with the last one's message.
-    """
+    """Samples groups from the vLLM server, as many as the trainer's credits allow. A failed
+    request (a prompt over the context length, a 5xx, a timeout) is counted and another prompt
+    drawn; more than ``error_budget`` failures end the run with the last one's message."""
 
     quiet_cancel = True  # cancelled mid-request at drain: the HTTP client may complain
 
@@ -79,8 +52,7 @@ class Generator(Source):
         self.rank = current_rank().rank
         self.attach(metrics, f"gen{self.rank}")
         self.rng = random.Random(cfg.seed * 1009 + self.rank)
-        self.version = self.allowed = self.made = 0
-        self.failed = self.aborted = 0  # requests that failed / groups cut short by a sync
+        self.version = self.allowed = self.made = self.failed = self.aborted = 0
         self.changed = asyncio.Event()
 
     @endpoint
@@ -96,9 +68,7 @@ class Generator(Source):
 
     async def _produce(self) -> None:
         slots = max(1, self.cfg.max_inflight // self.cfg.group_size)
-        client = CompletionsClient(self.spec.server_url + "/v1", self.spec.model_name,
-                                   ClientConfig(max_in_flight=slots, timeout_s=60.0, retries=2),
-                                   api_key=self.spec.api_key)
+        client = _client(self.spec, slots, 60.0)
         running: set[asyncio.Task] = set()
         try:
             while True:
@@ -122,49 +92,39 @@ class Generator(Source):
             await client.close()
 
     async def _one_group(self, client: CompletionsClient, group_id: int) -> None:
-        """Sample one complete group, resubmitting (another prompt) after an abort or a
-        failed request; each is counted and reported, never passed on to be scored."""
+        start = time.time()
         while True:
-            prompt: Prompt = self.rng.choice(self.spec.prompts)
-            version, start = self.version, time.time()
             try:
-                # One request with n = group_size: the server shares the prompt's prefill.
-                outs = await client.complete(prompt.ids, **sampling_request(self.cfg, version))
+                group = await sample_group(client, self.rng.choice(self.spec.prompts), self.cfg,
+                                           lambda: self.version, group_id=group_id,
+                                           source=self.name, on_abort=self._aborted)
+                break
             except CompletionError as err:
                 self._failed(err, client)
                 await asyncio.sleep(0.2)  # a struggling server: do not hammer it
-                continue
-            if any(o.finish_reason == "abort" for o in outs):
-                # Cut short by a sync with pause_mode="abort": a partial sample is not a
-                # sample of the policy, and its reward would be wrong. Expected, not a fault.
-                self.aborted += 1
-                self.report("aborted", actor=self.name, group=group_id, total=self.aborted)
-                continue
-            break
-        rollouts = [Rollout(list(prompt.ids), o.token_ids, o.logprobs, o.text, o.finish_reason,
-                            policy_version=version, group_id=group_id, latency_s=o.latency_s)
-                    for o in outs]
-        self.out.send(Group(group_id, prompt.text, prompt.answer, list(prompt.ids), rollouts,
-                            version, t_submit=start, t_done=time.time(), source=self.name))
+        self.out.send(group)
         self.busy.add("generate", start)
 
+    def _aborted(self) -> None:
+        self.aborted += 1
+        self.report("aborted", actor=self.name, total=self.aborted)
+
     def _failed(self, err: CompletionError, client: CompletionsClient) -> None:
-        """Count a failed request; past ``error_budget`` of them the generator gives up."""
         self.failed += 1
         self.report("request_failed", actor=self.name, total=self.failed, status=err.status,
                     error=str(err)[:300])
         if self.failed > self.cfg.error_budget:
+            s = client.stats
             raise RingError(
                 f"{self.name}: {self.failed} failed requests (> LLMConfig.error_budget="
-                f"{self.cfg.error_budget}); last: {err} [client counts: "
-                f"4xx={client.stats.http_4xx} 5xx={client.stats.http_5xx} "
-                f"timeouts={client.stats.timeouts} "
-                f"connection={client.stats.connection_errors}]") from err
+                f"{self.cfg.error_budget}); last: {err} [client counts: 4xx={s.http_4xx} "
+                f"5xx={s.http_5xx} timeouts={s.timeouts} connection={s.connection_errors}]"
+            ) from err
 
 
 class Scorer(Relay):
-    """Rewards every completion with ``cfg.reward``, then turns a group's rewards into
-    advantages. ``"auto"`` is the task's answer check (``spec.reward_default``)."""
+    """Rewards every completion with ``cfg.reward`` (``"auto"``: the task's answer check),
+    then sets the group's advantages (``cfg.adv_scale``)."""
 
     name = "scorer"
     sender = "the generators"
@@ -178,18 +138,16 @@ class Scorer(Relay):
         self.open_inlet()
 
     async def process(self, group: Group) -> Group:
-        for r in group.rollouts:
-            # The answer *then* end-of-sequence: a completion cut at max_tokens scores 0.
-            r.reward = (float(self.reward(r.completion_text, group.answer))
-                        if r.finish_reason == "stop" else 0.0)
-        adv = grpo.group_advantages(torch.tensor(group.rewards), self.cfg.group_size)
+        reward_group(group, self.reward)
+        adv = grpo.group_advantages(torch.tensor(group.rewards), self.cfg.group_size,
+                                    scale=self.cfg.adv_scale)
         for r, a in zip(group.rollouts, adv.tolist(), strict=True):
             r.advantage = a
         return group
 
 
 class Reference(Relay):
-    """Adds the frozen base model's log-probs of each completion (for the KL penalty)."""
+    """Adds the frozen base model's log-probs of each completion (only when ``kl_coef > 0``)."""
 
     name = "reference"
     sender = "scorer"
@@ -200,26 +158,198 @@ class Reference(Relay):
         self.open_inlet()
         self.model = None
         if cfg.kl_coef > 0:  # the reference model costs memory and time: only if used
-            from grpo_nb.llm import placement
-            from grpo_nb.llm.trainer import load_policy
-
             self.model, _ = load_policy(spec.model_dir, placement.trainer_device(cfg),
                                         placement.dtype_of(cfg), trainable=False)
         self.label = "ref logp" if self.model is not None else "pass through"
 
     async def process(self, group: Group) -> Group:
         if self.model is not None:
-            per_rollout = await asyncio.to_thread(self._ref_logprobs, group)
+            per_rollout = await asyncio.to_thread(completion_logprobs, self.model,
+                                                  group.rollouts, self.cfg.temperature)
             for r, lp in zip(group.rollouts, per_rollout, strict=True):
-                r.ref_logprobs = lp
+                r.ref_logprobs = lp.tolist()
         return group
 
-    def _ref_logprobs(self, group: Group) -> list[list[float]]:
-        b = make_batch([group], pad_id=0)
-        dev = next(self.model.parameters()).device
-        with torch.no_grad():
-            lp = sequence_logprobs(self.model, b.input_ids.to(dev), b.attention_mask.to(dev),
-                                   self.cfg.temperature).float().cpu()
-        p = len(group.prompt_ids)
-        return [lp[i, p - 1:p - 1 + len(r.completion_ids)].tolist()
-                for i, r in enumerate(group.rollouts)]
+
+class Trainer(Sink):
+    """Admits fresh groups, steps the policy, pushes weights, evaluates, checkpoints. The torch
+    work (:class:`~grpo_nb.llm.policy.PolicyTrainer`) and the sync run in worker threads, so
+    the event loop keeps receiving groups meanwhile; more than ``error_budget`` non-finite
+    (skipped) steps end the run."""
+
+    name = "trainer"
+    sender = "reference"  # the stage that feeds the inlet
+    timeout_field = "LLMConfig.finish_timeout_s"
+    quiet_cancel = True  # cancelled while a worker thread computes
+
+    def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
+        self.cfg, self.spec = cfg, spec
+        self.finish_timeout_s = cfg.finish_timeout_s
+        self.attach(metrics)
+        self.open_inlet()
+        # Process-wide settings belong to the trainer's process (its own one on Monarch).
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(cfg.trainer_threads)
+        model, tok = load_policy(spec.resume_dir or spec.model_dir,
+                                 placement.trainer_device(cfg), placement.dtype_of(cfg))
+        self.pt = PolicyTrainer(model, tok, cfg)
+        resumed = self.pt.load(spec.resume_dir) if spec.resume_dir else {}
+        # salted: every request carries its weight version's cache salt
+        self.syncer = WeightSyncer(spec.server_url, model, placement.sync_of(cfg),
+                                   api_key=spec.api_key, salted=True)
+        self.deadline: float | None = None  # time.time() at which the time budget runs out
+        self.stopping = asyncio.Event()
+        self.next_msg: asyncio.Future | None = None  # a receive still pending when stop came
+        self.issued = self.received = self.syncs = 0
+        self.dropped = int(resumed.get("dropped", 0))
+
+    @endpoint
+    async def start(self, generators: Any) -> None:
+        self.launch(self._train(generators))
+
+    @endpoint
+    async def request_stop(self) -> None:
+        """Finish the current step, then drain, sync, evaluate and checkpoint."""
+        self.stopping.set()
+
+    def _progress(self, generators: Any) -> None:
+        generators.progress.broadcast(self.pt.version, self.issued)
+
+    async def _train(self, generators: Any) -> None:
+        cfg = self.cfg
+        await self._sync(verify=True)  # the server starts from the base model: align + check
+        await self._eval()
+        outstanding = (1 + (cfg.max_ahead if cfg.mode == "async" else 0)) * cfg.prompts_per_step
+        self.issued = outstanding
+        self._progress(generators)
+        t0 = time.time()
+        self.deadline = None if cfg.time_budget_s is None else t0 + cfg.time_budget_s
+        while self.pt.step_count < cfg.steps and not self.stopping.is_set():
+            groups = await self._collect(generators)
+            if groups is None:  # stop requested, or the time budget ran out while waiting
+                break
+            start = time.time()
+            row = await asyncio.to_thread(self.pt.step, groups)
+            self.busy.add("train", start)
+            if "skipped" in row:  # non-finite: weights unchanged, nothing to sync
+                self._skipped(row)
+                self.issued = self.received + outstanding
+                self._progress(generators)
+                continue
+            now = time.time()
+            row.update(staleness=[self.pt.step_count - 1 - g.policy_version for g in groups],
+                       age_s=[now - g.t_submit for g in groups], dropped=self.dropped,
+                       train_s=now - start, wall_s=now - t0, version=self.pt.version)
+            self.report("step", **row)
+            if self.pt.step_count % cfg.sync_every == 0:
+                await self._sync()
+            self.issued = self.received + outstanding
+            self._progress(generators)
+            if self.pt.step_count % cfg.eval_every == 0:
+                await self._eval()
+            if self.pt.step_count % cfg.checkpoint_every == 0:
+                await asyncio.to_thread(self._checkpoint)
+        await self._finish(generators)
+
+    def _skipped(self, row: dict[str, Any]) -> None:
+        self.report("skipped", step=row["step"], reason=row["skipped"],
+                    total=row["skipped_steps"])
+        if self.pt.skipped > self.cfg.error_budget:
+            raise RingError(f"trainer: {self.pt.skipped} steps skipped for a non-finite loss "
+                            f"or gradient (> LLMConfig.error_budget={self.cfg.error_budget}); "
+                            f"last: {row['skipped']} at step {row['step'] + 1}")
+
+    async def _collect(self, generators: Any) -> list[Group] | None:
+        """One step's admitted groups; ``None`` as soon as a stop is requested or the time
+        budget is spent (also while stale groups are being dropped). A receive pending then is
+        never cancelled (the group it takes would be lost): it stays in ``next_msg`` for
+        :meth:`_finish`."""
+        groups: list[Group] = []
+        while len(groups) < self.cfg.prompts_per_step:
+            left = None if self.deadline is None else self.deadline - time.time()
+            if self.stopping.is_set() or (left is not None and left <= 0):
+                return None
+            if self.next_msg is None:
+                self.next_msg = asyncio.ensure_future(self.inbox.recv())
+            stop = asyncio.ensure_future(self.stopping.wait())
+            try:
+                await asyncio.wait({self.next_msg, stop}, timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+            if not self.next_msg.done():
+                continue  # stopped or out of time: checked at the top
+            group, self.next_msg = self.next_msg.result(), None
+            if group is None:  # the end of the stream
+                return None
+            self.received += 1
+            if admit(self.pt.step_count, group.policy_version, self.cfg.max_staleness):
+                groups.append(group)
+                continue
+            self.dropped += 1
+            self.issued += 1  # replace it, or the step would wait forever
+            self._progress(generators)
+            self.report("dropped", step=self.pt.step_count,
+                        staleness=self.pt.step_count - group.policy_version, total=self.dropped)
+        return groups
+
+    async def _sync(self, *, verify: bool | None = None) -> None:
+        start = time.time()
+        self.syncs += 1
+        if verify is None:
+            verify = self.cfg.sync.verify and self.syncs % self.cfg.verify_every == 0
+        res = await asyncio.to_thread(self.syncer.sync, self.pt.step_count, verify=verify)
+        self.pt.version = res.version
+        if res.verified:
+            self.pt.last_verified = res.version
+        self.busy.add("sync", start)
+        self.report("sync", step=self.pt.step_count, version=res.version, ms=res.ms,
+                    bytes=res.bytes, verified=res.verified,
+                    phases={k: round(v, 2) for k, v in res.phases.items()})
+
+    async def _eval(self) -> None:
+        """Greedy accuracy on the held-out prompts, sampled by the server."""
+        if self.pt.version != self.pt.step_count:
+            await self._sync()  # evaluate the weights just trained, not the last synced ones
+        start = time.time()
+        async with _client(self.spec, 4, 600.0) as client:
+            res = await greedy_accuracy(client, self.spec.eval_prompts,
+                                        tasks.make_reward(self.spec.reward_default),
+                                        self.cfg.max_tokens,
+                                        cache_salt=policy_salt(self.pt.version))
+        self.busy.add("eval", start)
+        self.report("eval", step=self.pt.step_count, accuracy=res.accuracy, n=res.n,
+                    truncated=res.truncated, version=self.pt.version, pid=os.getpid())
+
+    def _checkpoint(self) -> None:
+        if self.spec.run_dir is not None:
+            self.pt.save(Path(self.spec.run_dir) / "checkpoint",
+                         {"dropped": self.dropped, "received": self.received})
+
+    async def _finish(self, generators: Any) -> None:
+        try:
+            leftover = await self._drain(generators)
+        except RingError:
+            await asyncio.to_thread(self._checkpoint)  # a dead peer must not cost the steps
+            raise
+        if self.pt.version != self.pt.step_count or self.pt.last_verified != self.pt.version:
+            await self._sync(verify=True)  # the run ends on verified weights
+        if self.pt.step_count % self.cfg.eval_every != 0:
+            await self._eval()
+        await asyncio.to_thread(self._checkpoint)
+        self.busy.flush()  # before "exited": the controller stops listening then
+        self.report("exited", actor=self.name, dropped=self.dropped, leftover=leftover,
+                    steps=self.pt.step_count)
+
+    async def _drain(self, generators: Any) -> int:
+        """Drain the generators, then read to the end of the stream (each wait bounded by
+        ``finish_timeout_s``): how many groups were left unused."""
+        await self.drain_sources(generators, self.cfg.generators)
+        pending, self.next_msg = self.next_msg, None
+        first = await self.recv_within("the end of the stream", pending)
+        return 0 if first is None else 1 + await self.discard_queued()
+
+    async def __cleanup__(self, exc: Any) -> None:
+        await super().__cleanup__(exc)
+        await cancel_task(self.next_msg, quiet=True)
+        self.syncer.close()

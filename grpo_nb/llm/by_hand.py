@@ -1,15 +1,8 @@
 """One GRPO step taken apart (notebook 05): the aligned batch, a loss checker, the server's view.
 
-The trainer sees each sample as one sequence ``prompt + completion`` of length ``L``. A causal
-LM's logits at position ``t`` predict token ``t + 1``, so every per-token tensor of the loss is
-``[B, L-1]`` and completion token ``k`` (at sequence position ``p + k``) sits at column
-``p - 1 + k``, where ``p`` is the prompt length::
-
-    input_ids    [B, L]    p0 p1 .. p(p-1) c0 c1 .. c(T-1) pad ..
-    loss_mask    [B, L-1]   0  0 ..   1    1  ..   1     0   ..   (1 from column p-1)
-    sampler_logp [B, L-1]   0  0 ..  lp0  lp1 .. lp(T-1) 0   ..   (vLLM's, same columns)
-
-Everything here reads :func:`grpo_nb.llm.trainer.make_batch`'s output; nothing trains.
+A causal LM's logits at position ``t`` predict token ``t + 1``, so every per-token tensor of the
+loss is ``[B, L-1]`` and completion token ``k`` of a prompt of length ``p`` sits at column
+``p - 1 + k``. Everything here reads :func:`grpo_nb.llm.policy.make_batch`'s output.
 """
 
 from __future__ import annotations
@@ -20,8 +13,8 @@ from typing import Any
 import torch
 
 from grpo_nb import grpo
-from grpo_nb.llm.trainer import Batch
-from grpo_nb.serving.rollouts import Rollout
+from grpo_nb.llm.data import Rollout
+from grpo_nb.llm.policy import Batch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -102,17 +95,10 @@ def token_loss_problems(fn: LossFn, *, clip: float = 0.2) -> list[str]:
 
 
 def served_logprobs(syncer: Any, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
-    """The server's log-prob of each completion token, scored as a prompt (``prompt_logprobs``)
-    with the weights it serves now; one float64 tensor per rollout."""
-    name = syncer.client.model_name()
-    out = []
-    for r in rollouts:
-        seq = list(r.prompt_ids) + list(r.completion_ids)
-        body = {"model": name, "prompt": seq, "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": 0}
-        entries = syncer.client.completions(body)["choices"][0]["prompt_logprobs"]
-        p = len(r.prompt_ids)
-        out.append(torch.tensor([float(entries[p + k][str(tok)]["logprob"])
-                                 for k, tok in enumerate(r.completion_ids)],
-                                dtype=torch.float64))
-    return out
+    """The server's log-prob of each completion token, scored as a prompt with the weights it
+    serves now (:meth:`~grpo_nb.weight_sync.client.VLLMControlClient.prompt_logprobs`); one
+    float64 tensor per rollout."""
+    rows = syncer.client.prompt_logprobs([list(r.prompt_ids) + list(r.completion_ids)
+                                          for r in rollouts])
+    return [torch.tensor(row[len(r.prompt_ids) - 1:], dtype=torch.float64)
+            for row, r in zip(rows, rollouts, strict=True)]

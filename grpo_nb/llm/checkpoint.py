@@ -1,15 +1,7 @@
-"""Checkpoints that survive a crash at any moment: write aside, fsync, then switch atomically.
-
-``runs/<name>/checkpoint`` is a symbolic link to the newest complete folder beside it::
-
-    save(step 40): ckpt-000040-<id>.tmp/ ──write, fsync──► rename ckpt-000040-<id>/
-                   checkpoint.tmp-link ──► rename over checkpoint   (one atomic rename(2))
-                   remove the older ckpt-* folders (only after the new one is in place)
-
-A crash before the last rename leaves ``checkpoint`` pointing at the previous complete
-folder; a crash after it leaves the new one. The old folder is never removed before the
-new one is linked, so there is always one loadable checkpoint (:func:`resolve` also finds
-the newest complete folder beside a missing link, e.g. in a copy that did not keep links).
+"""Checkpoints that survive a crash at any moment: each is written to a folder of its own,
+fsynced, then ``runs/<name>/checkpoint`` (a symbolic link) is switched to it with one atomic
+rename; older folders are removed only after that. :func:`resolve` also finds the newest
+complete folder when the link is missing (a copy that did not keep links).
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ STATE = "trainer_state.json"  # written last: its presence marks a complete fold
 
 
 def _fsync_tree(folder: Path) -> None:
-    """Flush every file of ``folder`` and the folder itself to disk."""
     for path in folder.rglob("*"):
         if path.is_file():
             with path.open("rb") as f:

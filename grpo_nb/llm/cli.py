@@ -1,12 +1,7 @@
-"""``python -m grpo_nb train``: a headless LLM GRPO run with a progress bar, a dashboard PNG,
-and a JSON summary (``runs/<name>/result.json``) as the last line of stdout.
-
-    python -m grpo_nb train --model DIR_OR_HUB_ID --dataset NAME_OR_PATH [--smoke] [--steps N]
-                            [--set FIELD=VALUE ...]      (any LLMConfig field; sync.FIELD too)
-
-``--set`` values are read by the field's type (``--set lr=1e-5 --set tis_cap=none
---set chat_template_kwargs='{"enable_thinking": false}' --set sync.transport=nccl``) and the
-config is validated before anything starts; an error names the field.
+"""``python -m grpo_nb train [--smoke] [--model M] [--dataset D] [--set FIELD=VALUE ...]``: a
+headless LLM GRPO run with a progress bar, a dashboard PNG and its JSON summary as the last line.
+``--set`` takes any LLMConfig field (``sync.FIELD`` too), read by the field's type
+(``--set tis_cap=none``, ``--set chat_template_kwargs='{"enable_thinking": true}'``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""A cost model of one GRPO step, checked against a run's own metric rows.
+"""A cost model of one GRPO step, checked against a run's own metric rows (notebook 05 §7).
 
-Per step the ring generates (G), trains (T) and syncs (S). In sync mode they alternate, so
-a step costs G + T + S. In async mode generation overlaps training. A sync that pauses the
-server (``pause_mode="keep"``, and on a GPU) puts S on both timelines; one without a pause
-(``"none"``, the ring's default on CPU) leaves generation running while the trainer syncs::
-
-    paused : server  ──generate (G)──┤ paused (S) ├──generate──…
-             trainer ─wait─┤train (T)├ sync (S)   ├─wait─┤train…   step ≈ max(G, T) + S
-    none   : server  ──generate (G)──┤load├──generate──…      (the engine stops only for the
-             trainer ─wait─┤train (T)├ sync (S)├─wait─┤train…  update: S_server, part of S)
-                                                step ≈ max(G + S_server, T + S)
-
-``overlap_bound`` = (G + T + S) / max(G, T + S) is the most overlap gives when each phase
-costs what it cost alone; ``model_speedup`` is the ring's model for its pause mode. A real
-async server holds more requests at once, and batching makes each cheaper, so a measured
-speed-up can exceed the bound by a little.
-
-Only ``step``, ``sync``, ``eval`` and ``skipped`` rows are read, so a recorded run (whose
-``busy`` rows are trimmed) gives the same numbers as the live one.
+Per step the ring generates (G), trains (T) and syncs (S). Sync mode: G + T + S. Async mode
+overlaps generation with training: max(G, T) + S when a sync pauses the server, and
+max(G + S_server, T + S) when it does not (``pause_mode="none"``: the engine stops only for the
+update, ``S_server``). Only ``step``, ``sync``, ``eval`` and ``skipped`` rows are read, so a
+recorded run (``busy`` rows trimmed) gives the same numbers as the live one.
 """
 
 from __future__ import annotations
@@ -36,17 +23,11 @@ SERVER_PHASES = ("start", "wait", "load", "finish")  # a sync's phases inside th
 
 @dataclass(frozen=True)
 class StepPhases:
-    """Mean per-step times (seconds) over a run's steady steps.
-
-    ``step`` is the measured time between consecutive step rows; in it the trainer waits for
-    groups (``wait``), trains (``train``) and syncs (``sync``, 0 in a step without a sync), so
-    ``wait = step − train − sync``. ``generate`` is timed by the generators' clock instead: from
-    the first request of the step's groups until the trainer had them all (the largest group
-    ``age_s`` minus ``train``). It is the generation time G only in sync mode, where a step's
-    groups are requested after the previous sync; in async mode they were requested earlier
-    and sat ready in a queue. ``server_sync`` is the part of ``sync`` the server's engine
-    spent on the update itself (the gloo engine's start, receive, load and finish, or the
-    reload RPC; 0 for runs that did not record sync phases)."""
+    """Mean per-step times (seconds) over a run's steady steps: ``step`` between consecutive
+    step rows = ``wait`` + ``train`` + ``sync``. ``generate`` runs from the first request of a
+    step's groups until the trainer had them all (G only in sync mode: in async mode they
+    were requested earlier and waited in a queue); ``server_sync`` is the part of ``sync``
+    the server's engine spent on the update."""
 
     steps: int
     step: float
@@ -73,7 +54,8 @@ class Prediction:
 
 def _steady(rows: Iterable[Row], checkpoint_every: int | None
             ) -> Iterator[tuple[Row, Row, list[Row]]]:
-    """Each steady step as (previous step row, its step row, the rows between them)."""
+    """Each steady step as (previous step row, its step row, the rows between them); an
+    interval holding an eval, a skipped step or a checkpoint is not steady."""
     rows = sorted((r for r in rows if r["kind"] in _KINDS), key=lambda r: r["t"])
     steps = [r for r in rows if r["kind"] == "step"]
     for prev, cur in zip(steps, steps[1:], strict=False):
@@ -87,12 +69,8 @@ def _steady(rows: Iterable[Row], checkpoint_every: int | None
 
 def steady_intervals(rows: Iterable[Row], checkpoint_every: int | None = None
                      ) -> list[dict[str, float]]:
-    """One dict per steady step: ``step``, ``train``, ``sync``, ``generate`` (seconds).
-
-    Step k's interval runs from step k−1's row to step k's. Left out: step 1 (no sync before
-    it, nothing to overlap yet) and any interval holding an eval, a skipped step or a
-    checkpoint (after step k−1 when ``checkpoint_every`` divides k−1): none of them is part of
-    the step being modelled."""
+    """One dict per steady step (step 1 has no interval): ``step``, ``train``, ``sync``,
+    ``server_sync``, ``generate`` (seconds)."""
     out: list[dict[str, float]] = []
     for prev, cur, inside in _steady(rows, checkpoint_every):
         syncs = [r for r in inside if r["kind"] == "sync"]
@@ -129,12 +107,11 @@ def step_phases(rows: Iterable[Row], checkpoint_every: int | None = None) -> Ste
 
 
 def predict(sync_run: StepPhases, *, paused: bool = True) -> Prediction:
-    """Both modes' step times from the sync run's phases, where each is timed alone.
-
-    G is the sync run's ``generate``; S its mean sync per step (with ``sync_every = k``,
-    one step in k carries a sync, so S is already divided by k). ``paused``: whether a sync
-    stops generation (every pause mode but ``"none"``); without a pause the engine still
-    stops for the update itself (``S_server``, part of S)."""
+    """Both modes' step times from the sync run's phases, each timed alone (S is the mean sync
+    per step, so already divided by ``sync_every``). ``paused``: whether a sync stops
+    generation (every pause mode but ``"none"``). ``overlap_bound`` = (G + T + S) /
+    max(G, T + S) is the most overlap gives; batching more requests at once can beat it a
+    little."""
     g, t, s, s_server = sync_run.generate, sync_run.train, sync_run.sync, sync_run.server_sync
     sync_step = g + t + s
     async_step = max(g, t) + s if paused else max(g + s_server, t + s)
@@ -151,8 +128,7 @@ def run_pause_mode(run_dir: str | Path) -> str:
 
 
 def loop_seconds(rows: Iterable[Row]) -> float:
-    """The training loop's wall time: the first step's start to the last step's end
-    (setup, the first sync and eval, and the end phase are outside it)."""
+    """The training loop's wall time, the first step's start to the last step's end."""
     steps = [r for r in rows if r["kind"] == "step"]
     if not steps:
         return 0.0

@@ -1,12 +1,7 @@
-"""What the LLM ring is fed: the task's prompts rendered for the model, the held-out set, and the
-:class:`RingSpec` bundle every actor receives besides the config::
-
-    tasks.load_task(cfg.dataset) ──► train rows ──render_prompt──► [Prompt(text, ids, answer)]
-                                └──► test rows  ──render_prompt──► [Prompt, ...] (greedy eval)
-    render_prompt: the model's chat template when it has one, else the plain prompt text;
-    prompts longer than cfg.max_prompt_len tokens are left out and counted.
-
-All of it is plain data, so it pickles to actors on other processes (Monarch).
+"""What the LLM ring carries: the task's prompts rendered for the model (:class:`Prompt`), the
+one message every stage passes on (:class:`Group` of :class:`Rollout`), and the
+:class:`RingSpec` every actor receives besides the config. All plain data, so it pickles to
+actors on other processes (Monarch).
 """
 
 from __future__ import annotations
@@ -21,6 +16,56 @@ class Prompt(NamedTuple):
     text: str
     ids: list[int]
     answer: str
+
+
+@dataclass
+class Rollout:
+    """One sampled completion; the Scorer fills ``reward`` and ``advantage``, the Reference
+    ``ref_logprobs`` (only with a KL penalty)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampler_logprobs: list[float]
+    completion_text: str
+    finish_reason: str | None
+    reward: float = 0.0
+    advantage: float = 0.0
+    policy_version: int = 0
+    group_id: int = 0
+    latency_s: float = 0.0
+    ref_logprobs: list[float] | None = None
+
+
+@dataclass
+class Group:
+    """``group_size`` rollouts of one prompt: the ring's message, generator to trainer.
+
+    ``policy_version`` is the weight version the server had when the request was sent (a lower
+    bound: with pause mode ``keep`` later tokens may come from newer weights).
+    """
+
+    group_id: int
+    prompt: str
+    answer: str
+    prompt_ids: list[int]
+    rollouts: list[Rollout]
+    policy_version: int
+    # Wall clock (time.time()), not perf_counter: the ring compares it across processes.
+    t_submit: float
+    t_done: float
+    source: str = ""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+    @property
+    def advantages(self) -> list[float]:
+        return [r.advantage for r in self.rollouts]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(r.completion_ids) for r in self.rollouts)
 
 
 @dataclass
@@ -50,12 +95,14 @@ class TaskData:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # what the template got
 
 
-def _render(tokenizer: Any, rows: list[dict[str, Any]], limit: int,
-            template_kwargs: dict[str, Any] | None) -> tuple[list[Prompt], int]:
+def render_prompts(tokenizer: Any, rows: list[dict[str, Any]], limit: int,
+                   template_kwargs: dict[str, Any] | None = None) -> tuple[list[Prompt], int]:
+    """``rows`` as :class:`Prompt` (the model's chat template when it has one), leaving out
+    those longer than ``limit`` tokens; also returns how many were left out."""
     from grpo_nb.tasks import prompt_text
 
     texts = [prompt_text(tokenizer, row, chat_template_kwargs=template_kwargs) for row in rows]
-    # = tasks.render_prompt, batched (20,000 arithmetic prompts: one call, not 20,000)
+    # tasks.render_prompt, batched: one tokenizer call for all rows
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     kept, dropped = [], 0
     for text, ids, row in zip(texts, encoded, rows, strict=True):
@@ -68,19 +115,18 @@ def _render(tokenizer: Any, rows: list[dict[str, Any]], limit: int,
 
 def load_data(tokenizer: Any, cfg: Any, smoke: bool) -> TaskData:
     """Load ``cfg.dataset``, render its prompts for ``tokenizer``, drop the too-long ones."""
-    from grpo_nb.tasks import ArithmeticTaskConfig, load_task
+    from grpo_nb.tasks import ArithmeticTaskConfig, has_chat_template, load_task, template_defaults
 
     task = load_task(cfg.dataset, test_size=cfg.test_size, system_prompt=cfg.system_prompt,
                      arithmetic=ArithmeticTaskConfig.smoke() if smoke else None)
     kwargs = cfg.chat_template_kwargs
-    train, dropped_train = _render(tokenizer, task.train.to_list(), cfg.max_prompt_len, kwargs)
+    train, dropped_train = render_prompts(tokenizer, task.train.to_list(), cfg.max_prompt_len,
+                                          kwargs)
     test_rows = task.test.select(range(min(cfg.eval_size, len(task.test)))).to_list()
-    test, dropped_test = _render(tokenizer, test_rows, cfg.max_prompt_len, kwargs)
+    test, dropped_test = render_prompts(tokenizer, test_rows, cfg.max_prompt_len, kwargs)
     if not train:
         raise ValueError(f"LLMConfig.max_prompt_len={cfg.max_prompt_len}: every training prompt "
                          f"of {cfg.dataset!r} is longer; raise it")
-    from grpo_nb.tasks import has_chat_template, template_defaults
-
     used = {**template_defaults(tokenizer), **(kwargs or {})} if has_chat_template(tokenizer) \
         else {}
     return TaskData(train, test, task.kind, train[0].text, dropped_train + dropped_test, used)

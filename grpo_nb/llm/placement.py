@@ -1,16 +1,7 @@
-"""Where the LLM ring runs and what it serves, derived from :class:`~grpo_nb.llm.config.LLMConfig`.
-
-One config describes a run on a laptop CPU and on a GPU; the device-dependent settings are
-derived here, not chosen by hand::
-
-    device "auto" ──► cuda when present, else cpu        dtype "auto" ──► bfloat16 / float32
-    sync.transport    cpu: gloo (or reload) · cuda: nccl when the server has its own GPU,
-                      ipc when it shares the trainer's (gloo, the default, means "by device")
-    sync.atol         ≥ the probe gap the dtype allows (float32 agrees to ~1e-5, bf16 ~1e-2)
-    server            context = max_prompt_len + max_tokens; KV cache sized for the sequences
-                      in flight (CPU bytes) or a GPU memory fraction (shared GPU: leave room)
-
-The checks raise ``ValueError`` naming the ``LLMConfig`` field, before any server starts.
+"""Where the LLM ring runs and what it serves, derived from the config: device and dtype
+(``"auto"``: CUDA with bfloat16 when present), the weight-sync transport and tolerance for that
+device, and the vLLM server's context and KV-cache size. Checks raise ``ValueError`` naming the
+``LLMConfig`` field, before any server starts.
 """
 
 from __future__ import annotations
@@ -29,34 +20,24 @@ _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 CPU_KV_MIN, CPU_KV_MAX = 64 << 20, 4 << 30
 
 
-def check_dataset(dataset: Any) -> str:
-    """``"arithmetic"``, ``"local"`` or ``"hub"``; errors name ``LLMConfig.dataset``."""
-    from grpo_nb.tasks import dataset_source
-
-    try:
-        kind = dataset_source(dataset)
-    except (ValueError, FileNotFoundError) as err:
-        why = str(err).removeprefix(f"dataset={dataset!r}: ")
-        raise ValueError(f"LLMConfig.dataset={dataset!r}: {why}") from None
-    return "arithmetic" if kind == "arithmetic" else "math"
-
-
-def check_model(model: Any) -> None:
-    if model is None:
-        return
-    if not isinstance(model, str) or not model.strip():
-        raise ValueError(f"LLMConfig.model={model!r}: give a model folder or a hub id")
-    path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"LLMConfig.model={model!r}: the folder has no config.json "
-                             "(save it with save_pretrained)")
-    elif model.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(model):
-        raise ValueError(f"LLMConfig.model={model!r}: no such folder, and not a hub id "
-                         "('owner/name', e.g. 'Qwen/Qwen3-0.6B')")
-
-
-def _check_choices(cfg: Any) -> None:
+def check_placement(cfg: Any) -> None:
+    """The model, device, dtype, transport and server-size fields of ``cfg``."""
+    model = cfg.model
+    if model is not None:  # None: the tiny model
+        if not isinstance(model, str) or not model.strip():
+            raise ValueError(f"LLMConfig.model={model!r}: give a model folder or a hub id")
+        if Path(model).expanduser().exists():
+            if not (Path(model).expanduser() / "config.json").is_file():
+                raise ValueError(f"LLMConfig.model={model!r}: the folder has no config.json "
+                                 "(save it with save_pretrained)")
+        elif model.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(model):
+            raise ValueError(f"LLMConfig.model={model!r}: no such folder, and not a hub id "
+                             "('owner/name', e.g. 'Qwen/Qwen3-0.6B')")
+    if cfg.kv_cache_mb is not None and cfg.kv_cache_mb < 1:
+        raise ValueError(f"LLMConfig.kv_cache_mb={cfg.kv_cache_mb}: must be >= 1 (or None)")
+    gmu = cfg.gpu_memory_utilization
+    if gmu is not None and not 0.0 < gmu <= 1.0:
+        raise ValueError(f"LLMConfig.gpu_memory_utilization={gmu}: use (0, 1] (or None)")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"LLMConfig.device={cfg.device!r}: use 'auto', 'cpu' or 'cuda'")
     if cfg.dtype not in ("auto", "float32", "bfloat16"):
@@ -68,38 +49,6 @@ def _check_choices(cfg: Any) -> None:
                          "the trainer runs on the CPU: use 'gloo' or 'reload'")
 
 
-def check_fields(cfg: Any, default_reward: str) -> None:
-    """Validate the model / data / reward / placement fields of ``cfg``."""
-    from grpo_nb.tasks import make_reward
-
-    check_model(cfg.model)
-    size = cfg.test_size
-    if size is not None and (isinstance(size, bool) or not (
-            (isinstance(size, int) and size >= 1) or (isinstance(size, float) and 0 < size < 1))):
-        raise ValueError(f"LLMConfig.test_size={size!r}: a row count >= 1, a fraction in "
-                         "(0, 1), or None (the data's test split, else 10 %)")
-    if cfg.system_prompt is not None and not isinstance(cfg.system_prompt, str):
-        raise ValueError(f"LLMConfig.system_prompt={cfg.system_prompt!r}: a string or None")
-    if cfg.chat_template_kwargs is not None and not isinstance(cfg.chat_template_kwargs, dict):
-        raise ValueError(f"LLMConfig.chat_template_kwargs={cfg.chat_template_kwargs!r}: "
-                         "a dict or None")
-    try:
-        make_reward(cfg.reward, default=default_reward)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"LLMConfig.reward={cfg.reward!r}: {err}") from None
-    if cfg.max_prompt_len < 1:
-        raise ValueError(f"LLMConfig.max_prompt_len={cfg.max_prompt_len}: must be >= 1")
-    if cfg.kv_cache_mb is not None and cfg.kv_cache_mb < 1:
-        raise ValueError(f"LLMConfig.kv_cache_mb={cfg.kv_cache_mb}: must be >= 1 (or None)")
-    gmu = cfg.gpu_memory_utilization
-    if gmu is not None and not 0.0 < gmu <= 1.0:
-        raise ValueError(f"LLMConfig.gpu_memory_utilization={gmu}: use (0, 1] (or None)")
-    _check_choices(cfg)
-
-
-# ── derived settings ──
-
-
 def cuda_available() -> bool:
     import torch
 
@@ -107,14 +56,12 @@ def cuda_available() -> bool:
 
 
 def device_of(cfg: Any) -> str:
-    """``"cuda"`` or ``"cpu"``."""
     if cfg.device == "auto":
         return "cuda" if cuda_available() else "cpu"
     return cfg.device
 
 
 def dtype_of(cfg: Any) -> str:
-    """``"bfloat16"`` or ``"float32"``."""
     if cfg.dtype == "auto":
         return "bfloat16" if device_of(cfg) == "cuda" else "float32"
     return cfg.dtype
@@ -127,17 +74,15 @@ def gpu_count() -> int:
 
 
 def trainer_device(cfg: Any) -> str:
-    """The trainer's torch device: with 2+ GPUs it takes the last one, the server the first
-    (:func:`server_gpu`)."""
+    """The trainer's torch device: with 2+ GPUs the last one (the server takes the first)."""
     if device_of(cfg) == "cpu":
         return "cpu"
     return f"cuda:{gpu_count() - 1}" if gpu_count() >= 2 else "cuda:0"
 
 
 def server_gpu() -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` of a server on a GPU of its own: the first GPU this
-    process sees (``trainer_device`` takes the last), i.e. the first entry of an inherited
-    mask (``"2,3"`` → ``"2"``: a scheduler's mask names physical GPUs), else ``"0"``."""
+    """``CUDA_VISIBLE_DEVICES`` for a server on a GPU of its own: the first GPU this process
+    sees (an inherited mask ``"2,3"`` names physical GPUs → ``"2"``), else ``"0"``."""
     mask = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
     return mask[0] if mask[0] else "0"
 

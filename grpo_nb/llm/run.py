@@ -1,21 +1,7 @@
-"""Asynchronous (or synchronous) GRPO on a Qwen-family model, served by vLLM with weight sync.
-
-The controller of the LLM ring (:mod:`grpo_nb.llm.actors`), on :class:`grpo_nb.ring.Controller`::
-
-    train(cfg) ──► cfg.model (a folder, a hub id, or the tiny model: tiny_model.build_or_load)
-        │      ──► cfg.dataset rendered with the model's chat template (llm.data.load_data)
-        │      ──► VLLMServer, settings derived from cfg (llm.placement.server_config)
-        │                                                                  │
-        ├─► run_ring(): spawn the stages, relay their events into MetricsRecorder rows;
-        │       watchers: the server process exits → RunAborted at once; Stop → trainer drains
-        ▼
-    runs/<name>/  metrics.jsonl, config.json, checkpoint/, result.json ──► RunResult
-
-``backend="monarch"`` runs the same actor classes on torchmonarch processes: the trainer and
-the generators each in their own process, the scorer and reference in the controller's.
-
-The server is started (and always stopped) here unless the caller passes one, which is how
-notebook 05 runs the async and the sync mode against the same server.
+"""The LLM ring's controller: ``train(cfg)`` loads the model and data, starts a vLLM server
+(unless one is passed in, as notebook 05 does to run both modes against one server), runs the
+ring (:func:`run_ring`) into ``runs/<name>/`` and returns a :class:`RunResult`.
+``backend="monarch"`` runs the same actors on torchmonarch processes.
 """
 
 from __future__ import annotations
@@ -33,7 +19,7 @@ from grpo_nb import partition
 from grpo_nb.config import runs_dir, smoke_mode
 from grpo_nb.llm.actors import Generator, Reference, Scorer, Trainer
 from grpo_nb.llm.config import LLMConfig
-from grpo_nb.llm.data import RingSpec, TaskData, load_data
+from grpo_nb.llm.data import RingSpec, load_data
 from grpo_nb.llm.summary import RunResult, summarize
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.ring import Controller, Event, RingError
@@ -48,18 +34,14 @@ class RunAborted(RingError):
 
 
 class ServerWatch:
-    """``exited`` resolves the moment the server's process ends, without polling
-    (:func:`grpo_nb.serving.processes.wait_exit`).
-
-    A server this process did not start (``proc is None``) cannot be watched; its failed
-    requests still end the run.
-    """
+    """``exited`` resolves the moment the server's process ends, without polling. A server
+    this process did not start cannot be watched; its failed requests still end the run."""
 
     def __init__(self, server: Any) -> None:
         self.server = server
         proc = getattr(server, "proc", None)
         self.exited: asyncio.Future[Any] = (
-            asyncio.ensure_future(wait_exit(proc)) if proc is not None
+            asyncio.ensure_future(wait_exit(proc.pid)) if proc is not None
             else asyncio.get_running_loop().create_future())
 
     def close(self) -> None:
@@ -76,11 +58,8 @@ class ServerWatch:
         raise RunAborted(f"{self.describe()}: run aborted at step {step()}")
 
     async def gone_within(self, grace_s: float = 3.0) -> str | None:
-        """Why the server is gone, waiting up to ``grace_s`` for a dying one to exit (else None).
-
-        A killed server first shows up as a failed request in some actor, a moment before its
-        process has exited; waiting lets the error name the real cause.
-        """
+        """Why the server is gone, waiting up to ``grace_s`` for a dying one to exit (else
+        None): a failed request shows a moment before the exit, which names the real cause."""
         if getattr(self.server, "proc", None) is None:
             return None if await asyncio.to_thread(self.server.is_running) else self.describe()
         try:
@@ -92,14 +71,9 @@ class ServerWatch:
 
 @contextlib.contextmanager
 def trainer_cores(cfg: LLMConfig, server: Any, backend: str) -> Iterator[partition.Plan]:
-    """``with trainer_cores(cfg, server, backend):`` this process runs on the cores the
-    server tree leaves free, then as before (also when the run raises).
-
-    Only where the trainer runs in this process (``backend="asyncio"``) on the CPU and the
-    server tree is pinned (``server.cpus``: ``ServerConfig.cpus`` / ``GRPO_NB_SERVER_CPUS``,
-    "auto" on a CPU-only machine with ≥ 2 cores; ``"off"`` pins neither side). Without it
-    the trainer's thread lands on the server's core half the time and both slow down.
-    """
+    """Within it, this process runs on the cores the server tree leaves free: only when the
+    trainer runs here (``backend="asyncio"``) on the CPU and the server is pinned
+    (``ServerConfig.cpus``); else the two share a core and both slow down."""
     from grpo_nb.llm.placement import trainer_device
 
     if backend != "asyncio":
@@ -152,12 +126,8 @@ async def _ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, watch: Ser
         reference = ring.spawn(here, "reference", Reference, cfg, spec, ring.metrics)
         gens = ring.spawn(ring.procs(cfg.generators), "generators", Generator, cfg, spec,
                           await scorer.inlet.call_one(), ring.metrics)
-        await trainer.start.call_one(gens)
-        ends = {"finish_timeout_s": cfg.finish_timeout_s,
-                "timeout_field": "LLMConfig.finish_timeout_s"}  # bounds the relays' end
-        await reference.start.call_one(await trainer.inlet.call_one(), **ends)
-        await scorer.start.call_one(await reference.inlet.call_one(), **ends)
-        await gens.start.call()
+        await ring.wire(gens, scorer, reference, trainer, finish_timeout_s=cfg.finish_timeout_s,
+                        timeout_field="LLMConfig.finish_timeout_s")  # bounds the relays' end
 
         async def explain(event: Event) -> BaseException:
             gone = await watch.gone_within() if watch is not None else None
@@ -178,12 +148,9 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
                 on_event: Callable[[str, MetricsRecorder], None] | None = None,
                 stop: asyncio.Event | None = None, backend: str = "asyncio",
                 smoke: bool | None = None, progress: bool = True) -> RunResult:
-    """Run GRPO on the LLM end to end; writes ``runs/<name>/``. See module docstring.
-
-    ``model_dir`` (else ``cfg.model``, else the tiny model) is a folder or a hub id. A
-    ``server`` passed in is used as it is (its model must be the same); otherwise one is
-    started with settings derived from ``cfg`` and always stopped.
-    """
+    """Run GRPO on the LLM end to end into ``runs/<name>/``. ``model_dir`` (else ``cfg.model``,
+    else the tiny model) is a folder or a hub id; a ``server`` passed in must serve it, else
+    one is started from ``cfg`` and always stopped."""
     smoke = smoke_mode() if smoke is None else smoke
     model = await _model_source(model_dir or cfg.model, progress)
     cfg = cfg.replace(model=model) if cfg.model != model else cfg
@@ -195,7 +162,9 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
         run_dir = runs_dir() / (name or f"llm-{cfg.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     rec = MetricsRecorder(run_dir, append=resume is not None)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
-    data = await asyncio.to_thread(_load_data, model, cfg, smoke)
+    from transformers import AutoTokenizer
+
+    data = await asyncio.to_thread(load_data, AutoTokenizer.from_pretrained(model), cfg, smoke)
     rec.log("data", train=len(data.train), test=len(data.test), filtered=data.filtered,
             task=data.kind, prompt_example=data.prompt_example,
             chat_template_kwargs=data.template_kwargs)
@@ -233,15 +202,8 @@ async def _model_source(model: str | Path | None, progress: bool) -> str:
     return str(await asyncio.to_thread(build_or_load, TinyModelConfig(), progress=progress))
 
 
-def _load_data(model: str, cfg: LLMConfig, smoke: bool) -> TaskData:
-    from transformers import AutoTokenizer
-
-    return load_data(AutoTokenizer.from_pretrained(model), cfg, smoke)
-
-
 def server_for(model: str, cfg: LLMConfig) -> Any:
-    """An unstarted vLLM server for ``model`` with settings derived from ``cfg`` (context
-    length, KV cache, GPU memory, weight-sync transport): ``await server.start_async()``."""
+    """An unstarted vLLM server for ``model`` with settings derived from ``cfg``."""
     from grpo_nb.llm.placement import server_config
     from grpo_nb.serving.server import VLLMServer
 

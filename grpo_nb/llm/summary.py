@@ -1,8 +1,5 @@
-"""A finished run in one line: :class:`RunResult`, computed from the run's metric rows.
-
-``python -m grpo_nb train`` prints it as JSON (its last line); :func:`grpo_nb.llm.run.train`
-returns it and writes it to ``runs/<name>/result.json``.
-"""
+"""A finished run in one line: :class:`RunResult`, computed from the run's metric rows
+(``train()`` returns it and writes ``result.json``; the CLI prints it as JSON)."""
 
 from __future__ import annotations
 
@@ -19,24 +16,14 @@ from grpo_nb.metrics import MetricsRecorder
 class RunResult:
     """What a run achieved: steps, accuracy before/after, speed, staleness, sync health.
 
-    ``ratio_mean`` / ``clip_frac_mean``: the PPO ratio π_θ / π_old and the clipped fraction of
-    tokens, averaged over steps; on fresh samples (sync mode) the ratio is ≈ 1 at any
-    temperature, so a value far from 1 there means the two sides compute different
-    probabilities. Faults, each counted and survived: ``skipped_steps`` (non-finite loss or
-    gradient), ``failed_requests`` (their groups resubmitted), ``aborted_groups`` (cut short by
-    a sync with ``pause_mode="abort"``, resubmitted).
-
-    ``step_changed_frac``: the fraction of the trainer's (float32 master) parameter elements
-    each step's last optimiser update changed, averaged over steps — near 1 when training
-    moves the weights; a run whose updates round away (bf16 parameters at a small lr) shows
-    ≈ 0 here. Diagnostics (notebook 03, section 8): ``entropy_start`` / ``entropy_end`` (the
-    first and last step's policy entropy, nats per completion token: near 0 while the reward
-    is still low, the policy stopped exploring), and averaged over steps
-    ``zero_std_frac_mean`` (groups whose rewards were all equal: no gradient),
-    ``truncated_frac_mean`` (completions cut at ``max_tokens``: they score 0) and
-    ``response_len_mean`` (tokens). ``defaults``: the settings chosen for this model family
-    rather than by the caller, each with why (:attr:`LLMConfig.defaults`, and the chat
-    template's arguments).
+    Means over steps: ``ratio_mean`` (π_θ / π_old: ≈ 1 on fresh samples at any temperature,
+    so far from 1 in sync mode means the two sides compute different probabilities),
+    ``clip_frac_mean``, ``step_changed_frac`` (parameter elements the last optimiser update
+    changed: ≈ 0 when bf16 updates round away), ``zero_std_frac_mean`` (groups of equal
+    rewards: no gradient), ``truncated_frac_mean``, ``response_len_mean``. Faults counted and
+    survived: ``skipped_steps`` (non-finite loss or gradient), ``failed_requests`` and
+    ``aborted_groups`` (resubmitted). ``defaults``: settings chosen for the model family, each
+    with why.
     """
 
     steps: int
@@ -100,8 +87,8 @@ def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int)
 
 
 def _defaults(rec: MetricsRecorder, cfg: LLMConfig) -> dict[str, str]:
-    """:attr:`LLMConfig.defaults`, plus the template arguments the prompts were rendered with
-    when the config left them to the template's defaults."""
+    """:attr:`LLMConfig.defaults`, plus the chat-template arguments the config left to the
+    template."""
     out = dict(getattr(cfg, "defaults", {}))
     data = rec.rows("data")
     given = cfg.chat_template_kwargs or {}

@@ -1,2 +1,2 @@
-"""Serving the policy with vLLM: the server's life cycle, the completions client, and groups of
-scored rollouts (notebook 04). The LLM ring (:mod:`grpo_nb.llm`) generates through these."""
+"""Serving the policy with vLLM: the server's life cycle (its whole process tree) and the
+completions client through which the LLM ring (:mod:`grpo_nb.llm`) samples."""

@@ -1,53 +1,43 @@
 """An async client for vLLM's ``/v1/completions``: token ids in, token ids and log-probs out.
 
-Rollouts need the *exact* tokens the sampler produced and their log-probabilities (GRPO's
-importance ratio divides by them), so the client sends token-id prompts and asks vLLM for
-``return_token_ids`` and ``logprobs``. It never loses a request quietly::
-
-    complete(prompt_ids) ──► semaphore (≤ max_in_flight) ──► httpx POST /v1/completions
-                                                               │
-         connection error ──► retry with backoff (≤ retries) ─┤
-         timeout / 4xx / 5xx / empty ──► counted in ClientStats, raised as CompletionError
-                                         (.status: this request's HTTP status, if any)
-         aborted (/pause mode=abort) ──► Completion(finish_reason="abort"), maybe no tokens:
-                                         returned and counted, never raised — the caller
-                                         must not score it as a finished sample
-         ok ──► Completion(token_ids, logprobs, text, finish_reason)  (counted too)
-
-Every request carries ``Authorization: Bearer <key>`` when a key is known (``api_key=``,
-``ClientConfig.api_key``, or ``$VLLM_API_KEY``): a keyed server answers 401 without it.
-
-Every outcome lands in :class:`ClientStats` (and, when a recorder is given, as a
-``kind="request"`` or ``kind="client_error"`` metrics row).
+Rollouts need the exact tokens the sampler produced and their log-probabilities (GRPO's
+importance ratio divides by them), so prompts go as token ids with ``return_token_ids`` and
+``logprobs``. No request is lost quietly: connection errors are retried, every other failure is
+counted in :class:`ClientStats` and raised as :class:`CompletionError`, and choices the server
+aborted (``/pause?mode=abort``) are returned with ``finish_reason="abort"`` for the caller to
+resample, never scored.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from grpo_nb.metrics import MetricsRecorder
+from grpo_nb.serving.net import auth_headers, env_api_key
 
-# Every sampling parameter vLLM fills from the model folder's generation_config.json when a
-# request leaves it unset (``--generation-config auto``, vLLM's default; Qwen3 folders ship
-# top_k 20, top_p 0.95, temperature 0.6), at vLLM's neutral value. Under truncation the
-# sampler's processed log-probs are renormalised over the kept tokens, unlike the trainer's
-# full softmax, and the PPO ratio of a fresh sample is not 1.
+# Every sampling field vLLM could fill from the model folder's generation_config.json, at its
+# neutral value: truncated sampling would renormalise the sampler's log-probs over the kept
+# tokens, unlike the trainer's full softmax, and a fresh sample's PPO ratio would not be 1.
 NEUTRAL_SAMPLING: dict[str, float | int] = {
     "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
     "frequency_penalty": 0.0}
 
 
 def sampling_fields(temperature: float, top_p: float = 1.0) -> dict[str, float | int]:
-    """Every sampling field of a ``/v1/completions`` request, set explicitly: ``temperature``
-    and ``top_p`` as given, the rest at :data:`NEUTRAL_SAMPLING`. The one place the request's
-    sampling fields are defined (:meth:`CompletionsClient.complete` sends them)."""
+    """Every sampling field of a request: ``temperature`` and ``top_p`` as given, the rest at
+    :data:`NEUTRAL_SAMPLING`."""
     return {"temperature": temperature, "top_p": top_p, **NEUTRAL_SAMPLING}
+
+
+def policy_salt(version: int) -> str:
+    """The ``cache_salt`` of requests sampled under weight ``version``: vLLM shares cached
+    prompt KV only between requests with the same salt, so no request of a newer policy starts
+    from KV that older weights computed."""
+    return f"policy-v{version}"
 
 
 class CompletionError(RuntimeError):
@@ -73,9 +63,6 @@ class ClientStats:
     empty: int = 0  # finished with no token at all: raised
     aborted: int = 0  # choices ended by the server (finish_reason="abort"): returned
     empty_text: int = 0  # only special tokens (e.g. <eos> first): kept, counted
-    groups_dropped: int = 0  # groups given up because a sample failed (rollouts.iter_groups)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
     errors: list[str] = field(default_factory=list)  # last few messages, newest last
 
 
@@ -93,17 +80,14 @@ class Completion:
 
 @dataclass
 class ClientConfig:
-    """Client limits. ``retries`` applies to connection errors only (not to HTTP errors).
-
-    ``api_key`` (default ``$VLLM_API_KEY``; hidden from ``repr``) is sent on every request.
-    """
+    """Client limits. ``retries`` applies to connection errors only; ``api_key`` (default
+    ``$VLLM_API_KEY``; hidden from ``repr``) is sent on every request."""
 
     max_in_flight: int = 32
     timeout_s: float = 120.0
     retries: int = 3
     backoff_s: float = 0.25
-    api_key: str | None = field(default_factory=lambda: os.environ.get("VLLM_API_KEY") or None,
-                                repr=False)
+    api_key: str | None = field(default_factory=env_api_key, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -119,25 +103,18 @@ class ClientConfig:
 
 
 class CompletionsClient:
-    """Async client bound to one server and model. Use ``async with`` or call ``close()``.
-
-    Args:
-        base_url: ``http://host:port/v1`` (``VLLMServer.base_url``).
-        model: the served model name (``VLLMServer.model_name``).
-        cfg: limits; ``api_key`` overrides ``cfg.api_key``; ``recorder``: optional metrics sink.
-    """
+    """Async client bound to one server (``base_url``: ``http://host:port/v1``) and ``model``.
+    Use ``async with`` or call ``close()``."""
 
     def __init__(self, base_url: str, model: str, cfg: ClientConfig | None = None, *,
-                 api_key: str | None = None, recorder: MetricsRecorder | None = None) -> None:
+                 api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.cfg = cfg or ClientConfig()
         self.api_key = api_key or self.cfg.api_key
-        self.recorder = recorder
         self.stats = ClientStats()
         self._sem = asyncio.Semaphore(self.cfg.max_in_flight)
         self._http: httpx.AsyncClient | None = None
-        self.in_flight = 0
 
     @classmethod
     def for_server(cls, server: Any, cfg: ClientConfig | None = None, **kw: Any
@@ -146,11 +123,10 @@ class CompletionsClient:
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None or self._http.is_closed:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            # The semaphore is the limit that matters; the pool must not be a tighter one.
-            # No httpx timeout: ClientConfig.timeout_s bounds each attempt as a whole.
+            # The semaphore is the limit, not the pool; timeout_s bounds each attempt as a whole.
             limits = httpx.Limits(max_connections=self.cfg.max_in_flight + 4)
-            self._http = httpx.AsyncClient(headers=headers, limits=limits, timeout=None)
+            self._http = httpx.AsyncClient(headers=auth_headers(self.api_key), limits=limits,
+                                           timeout=None)
         return self._http
 
     async def close(self) -> None:
@@ -168,31 +144,21 @@ class CompletionsClient:
         setattr(self.stats, kind, getattr(self.stats, kind) + 1)
         self.stats.failed += 1
         self.stats.errors = (self.stats.errors + [f"{kind}: {message}"])[-20:]
-        if self.recorder is not None:
-            self.recorder.log("client_error", error=kind, status=status, message=message[:300])
         return CompletionError(kind, message, status)
 
     async def complete(self, prompt_ids: list[int], *, max_tokens: int = 16,
                        temperature: float = 1.0, top_p: float = 1.0, n: int = 1,
                        seed: int | None = None, **extra: Any) -> list[Completion]:
         """Sample ``n`` completions of a token-id prompt; raises :class:`CompletionError`.
-
-        Every sampling field is sent (:func:`sampling_fields`), so the model folder's
-        ``generation_config.json`` never changes what is sampled. ``extra`` goes into the
-        request body as is (e.g. ``ignore_eos``, ``logit_bias``, ``cache_salt``).
-        """
+        ``extra`` goes into the request body as is (``ignore_eos``, ``cache_salt`` …)."""
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
                 **sampling_fields(temperature, top_p), "n": n, "logprobs": 1,
                 "return_token_ids": True, **extra}
         if seed is not None:
             body["seed"] = seed
         async with self._sem:
-            self.in_flight += 1
             self.stats.requests += 1
-            try:
-                return await self._post_with_retries(body)
-            finally:
-                self.in_flight -= 1
+            return await self._post_with_retries(body)
 
     async def _post_with_retries(self, body: dict[str, Any]) -> list[Completion]:
         url = f"{self.base_url}/completions"
@@ -224,32 +190,19 @@ class CompletionsClient:
         out = []
         for choice in payload.get("choices", []):
             ids = list(choice.get("token_ids") or [])
-            lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
-            if choice.get("finish_reason") == "abort":
-                # Cut short by the server (e.g. /pause?mode=abort): the caller decides.
+            lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+            reason, text = choice.get("finish_reason"), choice.get("text") or ""
+            if reason == "abort":  # cut short by the server, maybe with no token: returned
                 self.stats.aborted += 1
-                k = min(len(ids), len(lps))
-                out.append(Completion(ids[:k], [float(x) for x in lps[:k]],
-                                      choice.get("text") or "", "abort", latency,
-                                      choice.get("prompt_token_ids")))
-                continue
-            if not ids:
-                raise self._fail("empty", f"completion with no tokens "
-                                 f"(finish_reason={choice.get('finish_reason')!r})")
-            if len(lps) != len(ids):
+                ids, lps = ids[:len(lps)], lps[:len(ids)]
+            elif not ids:
+                raise self._fail("empty", f"completion with no tokens (finish_reason={reason!r})")
+            elif len(lps) != len(ids):
                 raise self._fail("http_5xx", f"{len(ids)} token ids but {len(lps)} log-probs")
-            if not choice.get("text"):
+            elif not text:
                 self.stats.empty_text += 1
-            out.append(Completion(token_ids=ids, logprobs=[float(x) for x in lps],
-                                  text=choice.get("text") or "",
-                                  finish_reason=choice.get("finish_reason"), latency_s=latency,
-                                  prompt_token_ids=choice.get("prompt_token_ids")))
+            out.append(Completion(ids, lps, text, reason, latency, choice.get("prompt_token_ids")))
         if not out:
             raise self._fail("empty", "response without choices")
         self.stats.ok += 1
-        self.stats.prompt_tokens += len(out[0].prompt_token_ids or [])
-        self.stats.completion_tokens += sum(len(c.token_ids) for c in out)
-        if self.recorder is not None:
-            self.recorder.log("request", latency_s=latency, in_flight=self.in_flight,
-                              tokens=sum(len(c.token_ids) for c in out))
         return out

@@ -1,15 +1,10 @@
-"""Loopback helpers: every socket grpo_nb binds (servers, rendezvous stores) is local-only.
-
-A port bound to ``0.0.0.0`` is reachable from the whole network; vLLM's weight routes and the
-gloo store trust whoever connects, so nothing of ours listens anywhere but loopback.
-
-Synchronous HTTP to a server goes through :func:`http` (``httpx``); the rollouts' async client
-is ``httpx.AsyncClient`` too (:mod:`grpo_nb.serving.client`).
-"""
+"""Loopback and HTTP helpers: nothing of ours listens anywhere but loopback (vLLM's weight
+routes and the gloo store trust whoever connects), and every HTTP call goes through ``httpx``."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import threading
 
@@ -20,16 +15,23 @@ _LOCAL = threading.local()
 
 
 def http() -> httpx.Client:
-    """This thread's ``httpx.Client``: connections kept alive, one pool per thread (a sync
-    calls from two)."""
+    """This thread's ``httpx.Client`` (connections kept alive; a sync calls from two threads)."""
     if getattr(_LOCAL, "client", None) is None:
         _LOCAL.client = httpx.Client()
     return _LOCAL.client
 
 
+def env_api_key() -> str | None:
+    return os.environ.get("VLLM_API_KEY") or None
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def is_loopback(host: str) -> bool:
-    """``True`` for ``localhost``, ``127.x.y.z`` and ``::1``; hostnames other than
-    ``localhost`` are not resolved (they could point anywhere), so they count as remote."""
+    """``True`` for ``localhost``, ``127.x.y.z`` and ``::1``; other hostnames are not resolved
+    (they could point anywhere), so they count as remote."""
     if host == "localhost":
         return True
     try:

@@ -1,34 +1,9 @@
 """Start, watch and stop a vLLM OpenAI-compatible server as a subprocess.
 
-vLLM's server is a tree of processes (API server → EngineCore → worker). It is started in a
-fresh process group, so that :meth:`VLLMServer.stop` ends the whole tree at once, whether the
-notebook cell finished, raised, or was interrupted::
-
-    ServerConfig ──► VLLMServer(cfg)  (registered before anything is spawned)
-                          │ .start() / await .start_async() / with / async with
-                          ├─spawn─► python -m vllm.entrypoints.openai.api_server
-                          │           (own process group, marked, log → runs/vllm/*.log,
-                          │            pinned to ServerConfig.cpus: grpo_nb.partition)
-                          ├─spawn─► watchdog: owner died (even SIGKILL) → ends the tree
-                          ├── polls GET /health; died / timed out → ServerStartError(log tail)
-                          ▼
-                     .url / .base_url / .api_key ──► client.CompletionsClient
-                          │
-                     .stop() / with-block / atexit ──► SIGTERM group → wait → SIGKILL group
-
-Servers are kept in a module-level registry (strong references): re-running a notebook cell
-that starts a server does not orphan the previous one; it keeps running until ``stop()``,
-:func:`stop_all` or interpreter exit, or until a server with the same ``ServerConfig.name``
-starts. In ``asyncio`` code use ``await server.start_async()`` (a cancelled start stops the
-server); ``await asyncio.to_thread(server.start)`` cannot be interrupted — if you must, create
-the server first and call ``server.stop()`` in an ``except BaseException`` around it.
-
-Safety (see :mod:`grpo_nb.serving.server_config`): a dev-mode server (weight routes on) is
-loopback-only, key or not; the API key travels by environment and is redacted from the log
-tails we print.
-
-CPU and GPU run the same code: only the defaults differ (``VLLM_TARGET_DEVICE=cpu``, float32 and
-a small KV cache on CPU; the checkpoint's dtype and a memory fraction on GPU).
+vLLM's server is a tree of processes (API server → EngineCore → worker), started in a process
+group of its own so that :meth:`VLLMServer.stop` ends the whole tree, whether the notebook cell
+finished, raised or was interrupted; a watchdog ends it if this process dies. Servers stay in a
+module-level registry until stopped, so re-running a cell never orphans a running server.
 """
 
 from __future__ import annotations
@@ -36,69 +11,35 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import json
 import subprocess
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from grpo_nb.config import runs_dir
-from grpo_nb.partition import exec_pinned
-from grpo_nb.serving.net import free_port, http, is_loopback
-from grpo_nb.serving.processes import (
-    MARKER_ENV,
-    end_processes,
-    marked_processes,
-    start_watchdog,
-    wait_exit,
-)
-from grpo_nb.serving.server_config import ServerConfig, env_api_key
+from grpo_nb.partition import _gpu_available, exec_pinned
+from grpo_nb.serving.net import auth_headers, env_api_key, free_port, http, is_loopback
+from grpo_nb.serving.processes import end_processes, marked_processes, start_watchdog
+from grpo_nb.serving.server_config import ServerConfig
 
-__all__ = ["ServerConfig", "ServerStartError", "VLLMServer", "find_server_processes",
-           "free_port", "is_loopback", "stop_all", "MARKER_ENV"]
+__all__ = ["ServerConfig", "ServerStartError", "VLLMServer", "free_port", "is_loopback",
+           "stop_all"]
 
-STARTED_IDS: list[str] = []  # ids of every server this Python process started
 _LIVE: set[VLLMServer] = set()  # strong: a dropped variable must not orphan a running server
 _BY_NAME: dict[str, VLLMServer] = {}
-
-
-def _gpu_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 class ServerStartError(RuntimeError):
     """The server exited or never became healthy; the message ends with its log's tail."""
 
 
-def log_tail(path: Path | None, lines: int = 30, secret: str | None = None) -> str:
-    """The log's last ``lines``, with ``secret`` (the API key) replaced by ``***``."""
-    if path is None or not path.is_file():
-        return "(no log)"
-    text = "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return text.replace(secret, "***") if secret else text
-
-
-def _get(url: str, api_key: str | None, timeout: float = 2.0) -> tuple[int, str]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    resp = http().get(url, headers=headers, timeout=timeout)
-    return resp.status_code, resp.text
-
-
 class VLLMServer:
-    """A vLLM server this process owns (``start``/``stop``), or one it attached to (``attach``).
-
-    Use as a context manager (``with`` / ``async with``) or call ``start()`` (or
-    ``await start_async()``) and ``stop()``; servers still running when Python exits are
-    stopped by an ``atexit`` hook, and a watchdog stops them if this process is killed.
-    """
+    """A vLLM server this process owns (``with``, or ``start()`` / ``await start_async()`` and
+    ``stop()``; an ``atexit`` hook stops what is left), or one it attached to (``attach``).
+    Starting a server with the ``ServerConfig.name`` of a running one stops that one first."""
 
     def __init__(self, cfg: ServerConfig | None, *, _owned: bool = True) -> None:
         if cfg is not None and not cfg.model:
@@ -118,7 +59,6 @@ class VLLMServer:
         self._stopped = False
         self._lock = threading.RLock()  # spawn and stop never interleave (start thread vs stop)
 
-    # ------------------------------------------------------------------ addresses
     @property
     def url(self) -> str:
         """``http://host:port`` (the admin routes: /health, /pause, /update_weights …)."""
@@ -131,28 +71,22 @@ class VLLMServer:
 
     @classmethod
     def attach(cls, url: str, *, api_key: str | None = None, timeout: float = 10.0) -> VLLMServer:
-        """Use a server someone else runs: checks ``/health`` and reads the served model name.
-
-        ``api_key`` defaults to ``$VLLM_API_KEY``. ``stop()`` on an attached server does
-        nothing: it is not ours to end.
-        """
+        """Use a server someone else runs (``api_key`` default ``$VLLM_API_KEY``): reads the
+        served model name from ``/v1/models``. ``stop()`` does nothing: it is not ours to end."""
         url = url.rstrip("/").removesuffix("/v1")
         host, _, port = url.split("://", 1)[-1].rpartition(":")
         server = cls(None, _owned=False)
         server.host, server.port, server.api_key = host, int(port), api_key or env_api_key()
         try:
-            status, _ = _get(f"{url}/health", server.api_key, timeout)
-            if status != 200:
-                raise ConnectionError(f"{url}/health answered {status}")
-            status, body = _get(f"{url}/v1/models", server.api_key, timeout)
-            if status != 200:
-                raise ConnectionError(f"{url}/v1/models answered {status}: {body[:200]}")
+            resp = http().get(f"{url}/v1/models", headers=auth_headers(server.api_key),
+                              timeout=timeout)
         except httpx.TransportError as err:
             raise ConnectionError(f"no vLLM server reachable at {url}: {err}") from err
-        server.model_name = json.loads(body)["data"][0]["id"]
+        if resp.status_code != 200:
+            raise ConnectionError(f"{url}/v1/models answered {resp.status_code}: {resp.text[:200]}")
+        server.model_name = resp.json()["data"][0]["id"]
         return server
 
-    # ------------------------------------------------------------------ lifecycle
     def is_running(self) -> bool:
         if self.proc is None:
             return not self._owned and self.healthy()
@@ -160,12 +94,17 @@ class VLLMServer:
 
     def healthy(self) -> bool:
         try:
-            return _get(f"{self.url}/health", self.api_key, timeout=2.0)[0] == 200
+            resp = http().get(f"{self.url}/health", headers=auth_headers(self.api_key), timeout=2)
+            return resp.status_code == 200
         except httpx.TransportError:
             return False
 
     def log_tail(self, lines: int = 30) -> str:
-        return log_tail(self.log_path, lines, self.api_key)
+        """The log's last ``lines``, with the API key replaced by ``***``."""
+        if self.log_path is None or not self.log_path.is_file():
+            return "(no log)"
+        text = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return text.replace(self.api_key, "***") if self.api_key else text
 
     def _spawn(self) -> None:
         """Validate, register, spawn the server and its watchdog (fast; no waiting)."""
@@ -198,85 +137,60 @@ class VLLMServer:
                     cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     env=self.cfg.environment(self.server_id, gpu, self.cpus),
                     start_new_session=True)
-            STARTED_IDS.append(self.server_id)
             self.watchdog = start_watchdog(self.proc.pid, self.server_id)
 
-    def _started(self, t0: float) -> bool:
-        """One health check: ``True`` when healthy; raises when it cannot become healthy."""
-        elapsed = time.perf_counter() - t0
-        if self._stopped:
-            raise ServerStartError(f"server stopped while starting (after {elapsed:.0f} s)")
-        if self.proc.poll() is not None:
-            raise ServerStartError(
-                f"vLLM exited with code {self.proc.returncode} after {elapsed:.0f} s; "
-                f"log {self.log_path}:\n{self.log_tail()}")
-        if elapsed > self.cfg.startup_timeout:
-            raise ServerStartError(
-                f"vLLM not healthy after {self.cfg.startup_timeout:.0f} s "
-                f"(ServerConfig.startup_timeout); log {self.log_path}:\n{self.log_tail()}")
-        if self.healthy():
-            self.startup_seconds = round(elapsed, 1)
-            return True
-        return False
-
-    def _bar(self, progress: bool) -> Any:
+    def start(self, *, progress: bool = True) -> VLLMServer:
+        """Spawn the server and wait for ``/health``; raises :class:`ServerStartError` (with the
+        log's tail) when it exits, is stopped or times out first."""
         from tqdm.auto import tqdm
 
-        return tqdm(total=None, desc=f"vLLM :{self.port}", disable=not progress,
-                    bar_format="{desc} {elapsed} {postfix}", leave=False)
-
-    def _show(self, bar: Any) -> None:
-        last = self.log_tail(5).strip().splitlines()
-        bar.set_postfix_str(last[-1][-120:] if last else "", refresh=False)
-        bar.update(0)
-
-    def start(self, *, progress: bool = True) -> VLLMServer:
-        """Spawn the server and wait for ``/health``; raises :class:`ServerStartError`."""
         try:
             self._spawn()
             t0 = time.perf_counter()
-            with contextlib.closing(self._bar(progress)) as bar:
-                while not self._started(t0):
-                    self._show(bar)
+            with tqdm(total=None, desc=f"vLLM :{self.port}", disable=not progress,
+                      bar_format="{desc} {elapsed} {postfix}", leave=False) as bar:
+                while not self.healthy():
+                    elapsed = time.perf_counter() - t0
+                    if self._stopped:
+                        raise ServerStartError(f"stopped while starting ({elapsed:.0f} s)")
+                    if self.proc.poll() is not None:
+                        raise ServerStartError(
+                            f"vLLM exited with code {self.proc.returncode} after {elapsed:.0f} s; "
+                            f"log {self.log_path}:\n{self.log_tail()}")
+                    if elapsed > self.cfg.startup_timeout:
+                        raise ServerStartError(
+                            f"vLLM not healthy after {self.cfg.startup_timeout:.0f} s (ServerConfig"
+                            f".startup_timeout); log {self.log_path}:\n{self.log_tail()}")
+                    last = self.log_tail(5).strip().splitlines()
+                    bar.set_postfix_str(last[-1][-120:] if last else "")
                     time.sleep(0.5)
+            self.startup_seconds = round(time.perf_counter() - t0, 1)
         except BaseException:  # includes KeyboardInterrupt: never leave a half-started server
             self.stop()
             raise
         return self
 
     async def start_async(self, *, progress: bool = False) -> VLLMServer:
-        """:meth:`start` for ``asyncio`` code: cancelling the awaiting task stops the server."""
+        """:meth:`start` for ``asyncio`` code: cancelling the awaiting task stops the server
+        (``stop`` waits for a spawn in flight; the start thread then sees it stopped)."""
         try:
-            await asyncio.to_thread(self._spawn)
-            t0 = time.perf_counter()
-            with contextlib.closing(self._bar(progress)) as bar:
-                while not await asyncio.to_thread(self._started, t0):
-                    self._show(bar)
-                    await asyncio.sleep(0.5)
-        except BaseException:  # CancelledError too; stop() waits for a spawn in flight
-            self.stop()
+            return await asyncio.to_thread(self.start, progress=progress)
+        except asyncio.CancelledError:
+            await asyncio.to_thread(self.stop)
             raise
-        return self
-
-    async def wait_exited(self) -> int:
-        """Wait (without polling: :func:`processes.wait_exit`) until the server exits; its code."""
-        if self.proc is None:
-            raise RuntimeError("wait_exited(): this server was not started by this process")
-        return await wait_exit(self.proc)
 
     def pids(self) -> list[int]:
         """Every process of this server (found by the marker in their environment)."""
-        return [p.pid for p in find_server_processes([self.server_id])] if self._owned else []
+        return [p.pid for p in marked_processes([self.server_id])] if self._owned else []
 
     def stop(self, timeout: float = 20.0) -> None:
         """End the whole process tree: SIGTERM the group, wait, then SIGKILL what is left."""
         with self._lock:
             self._stopped = True
             if self._owned and self.proc is not None:
-                end_processes(find_server_processes([self.server_id]), self.proc.pid, timeout)
-                # a child forked while the group was signalled got SIGTERM too, but nobody
-                # waited for it: wait now (SIGKILL if it lingers)
-                end_processes(find_server_processes([self.server_id]), None, 5)
+                end_processes(marked_processes([self.server_id]), self.proc.pid, timeout)
+                # a child forked while the group was signalled got SIGTERM but no wait: wait now
+                end_processes(marked_processes([self.server_id]), None, 5)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=5)
             if self.watchdog is not None:
@@ -294,23 +208,9 @@ class VLLMServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    async def __aenter__(self) -> VLLMServer:
-        if self._owned and self.proc is None:
-            await self.start_async()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await asyncio.to_thread(self.stop)
-
     def __repr__(self) -> str:
         state = "attached" if not self._owned else ("running" if self.is_running() else "stopped")
         return f"VLLMServer({self.model_name!r}, {self.url}, {state})"
-
-
-def find_server_processes(server_ids: list[str] | None = None) -> list[Any]:
-    """Processes carrying the marker of one of ``server_ids`` (default: all this process
-    started). Used by ``stop()`` and by the tests' "no vLLM left behind" check."""
-    return marked_processes(STARTED_IDS if server_ids is None else server_ids)
 
 
 @atexit.register

@@ -1,15 +1,8 @@
 """``ServerConfig``: how a vLLM server is run, and who may reach it.
 
-Validation happens at construction and again at start (fields are plain attributes that
-callers such as ``WeightSyncConfig.server_settings`` set afterwards). The rules, and why:
-
-- ``dev_mode`` (``VLLM_SERVER_DEV_MODE=1``) adds routes that change the served model. vLLM's
-  ``--api-key`` guards only ``/v1``-style paths, never these, so a dev-mode server binds
-  loopback only, key or not.
-- Any other host needs ``api_key``; the key travels in the server's environment
-  (``VLLM_API_KEY``), never in argv where ``ps`` shows it to every user.
-- ``VLLM_ALLOW_INSECURE_SERIALIZATION`` (pickled request data, for CUDA-IPC handles) only where
-  nobody else can reach the server: loopback.
+vLLM's ``--api-key`` guards only ``/v1`` routes, never the dev-mode routes that replace the
+weights, so a dev-mode server binds loopback only; any other host needs a key, which travels in
+the server's environment (never in argv, where ``ps`` shows it to every user).
 """
 
 from __future__ import annotations
@@ -22,50 +15,24 @@ from pathlib import Path
 from typing import Any
 
 from grpo_nb.config import cache_dir, env_flag
-from grpo_nb.partition import check_spec, parse_cpus, plan, server_env
-from grpo_nb.serving.net import is_loopback
+from grpo_nb.partition import check_spec, plan, server_env
+from grpo_nb.serving.net import env_api_key, is_loopback
 from grpo_nb.serving.processes import MARKER_ENV, OWNER_ENV
 
-DEV_ROUTES = "/pause, /update_weights, /init_weight_transfer_engine, /collective_rpc"
-INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
-
-
+INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"  # unpickles request data: loopback only
 EAGER_ENV = "GRPO_NB_SERVER_EAGER"  # "1": every server starts eager (the test suite sets it)
-
-
-def env_api_key() -> str | None:
-    return os.environ.get("VLLM_API_KEY") or None
 
 
 @dataclass
 class ServerConfig:
-    """How to run ``vllm serve``. ``None`` fields take CPU or GPU defaults at start time.
+    """How to run ``vllm serve``; ``None`` fields take CPU or GPU defaults at start time.
 
-    Args:
-        model: a model folder (e.g. :func:`grpo_nb.tiny_model.build_or_load`) or a hub name.
-        host: loopback only when ``dev_mode`` (see the module docstring); otherwise a
-            non-loopback host needs ``api_key``.
-        port: ``0`` picks a free port.
-        dtype: ``"float32"`` on CPU (exact log-prob agreement with the trainer), ``"auto"`` on GPU.
-        kv_cache_bytes: KV cache size; CPU default 64 MiB (plenty for the tiny model).
-        gpu_memory_utilization: GPU only; leave room for the trainer on the same GPU.
-        api_key: required on ``/v1`` routes; default ``$VLLM_API_KEY``. Passed to the server
-            by environment, never on its command line; not shown in ``repr``.
-        name: starting a server with the name of a running one (in this process) stops the
-            old one first: re-running a notebook cell replaces its server.
-        log_dir: where ``<name>.log`` goes; default ``runs/vllm``.
-        startup_timeout: seconds to wait for ``/health`` (first CPU start compiles for ~2 min).
-        extra_args / env: appended to the command line / the server's environment.
-        dev_mode: ``VLLM_SERVER_DEV_MODE=1`` (pause / weight-update routes; loopback only).
-        worker_extension_cls / weight_transfer_config: for weight sync (notebook 05).
-        cpus: the cores of the whole server tree (see :mod:`grpo_nb.partition`): ``"auto"``
-            (the plan's: on a CPU-only machine with ≥ 2 cores the last core, else unpinned),
-            ``"off"``, or core ids (``[1]``, ``"2-3"``). Resolved at start.
-        eager: ``--enforce-eager`` (no ``torch.compile``, no CUDA graphs). Off by default:
-            eager starts sooner but generates fewer tokens/s
-            (``python benchmarks/server_compile.py`` measures both), so it pays only for short
-            runs. Default ``$GRPO_NB_SERVER_EAGER=1`` (``make test`` sets it: its servers live
-            seconds).
+    ``dtype`` defaults to float32 on CPU (log-probs agree with the trainer's) and the
+    checkpoint's on GPU; ``kv_cache_bytes`` to 64 MiB on CPU. ``cpus`` pins the whole server
+    tree (:mod:`grpo_nb.partition`: ``"auto"``, ``"off"`` or core ids). ``eager`` skips
+    ``torch.compile``: a sooner start but slower generation, so it pays only for short-lived
+    servers (default ``$GRPO_NB_SERVER_EAGER``). A starting server replaces a running one of
+    the same ``name``.
     """
 
     model: str = ""
@@ -93,21 +60,17 @@ class ServerConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field; run again at start (fields are mutable)."""
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"ServerConfig.port={self.port}: use 0 (pick a free port) .. 65535")
-        if self.max_model_len < 8:
-            raise ValueError(f"ServerConfig.max_model_len={self.max_model_len}: must be ≥ 8")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1 << 20:
-            raise ValueError(f"ServerConfig.kv_cache_bytes={self.kv_cache_bytes}: need ≥ 1 MiB")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"ServerConfig.gpu_memory_utilization={self.gpu_memory_utilization}: use (0, 1]"
-            )
-        if self.startup_timeout <= 0:
-            raise ValueError(f"ServerConfig.startup_timeout={self.startup_timeout}: must be > 0")
-        if not all(isinstance(a, str) for a in self.extra_args):
-            raise ValueError(f"ServerConfig.extra_args={self.extra_args!r}: strings only")
+        """Raise ``ValueError`` naming the field; run again at start (callers such as
+        ``WeightSyncConfig.server_settings`` set fields after construction)."""
+        for name, ok, rule in (
+                ("port", 0 <= self.port <= 65535, "0 (pick a free port) .. 65535"),
+                ("max_model_len", self.max_model_len >= 8, "≥ 8"),
+                ("kv_cache_bytes", (self.kv_cache_bytes or 1 << 20) >= 1 << 20, "≥ 1 MiB"),
+                ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "(0, 1]"),
+                ("startup_timeout", self.startup_timeout > 0, "> 0"),
+                ("extra_args", all(isinstance(a, str) for a in self.extra_args), "strings")):
+            if not ok:
+                raise ValueError(f"ServerConfig.{name}={getattr(self, name)!r}: use {rule}")
         for flag, name in (("--host", "host"), ("--api-key", "api_key"),
                            ("--enforce-eager", "eager")):
             if any(a.split("=")[0] == flag for a in self.extra_args):
@@ -116,17 +79,14 @@ class ServerConfig:
         check_spec(self.cpus, "ServerConfig.cpus")
         if "VLLM_API_KEY" in self.env:
             raise ValueError("ServerConfig.env has VLLM_API_KEY: set ServerConfig.api_key")
-        self._check_exposure()
-
-    def _check_exposure(self) -> None:
         if is_loopback(self.host):
             return
         if self.dev_mode:
             raise ValueError(
                 f"ServerConfig.host={self.host!r} is not loopback, but dev_mode=True turns on "
-                f"{DEV_ROUTES}: vLLM's api_key guards only /v1 routes, so anyone reaching the "
-                "port could replace the weights or run any worker method. A dev-mode server "
-                "binds loopback only, key or not (another host needs an authenticating proxy)")
+                "/pause, /update_weights, /collective_rpc …: vLLM's api_key guards only /v1 "
+                "routes, so anyone reaching the port could replace the weights. A dev-mode "
+                "server binds loopback only, key or not")
         if not self.api_key:
             raise ValueError(f"ServerConfig.host={self.host!r} is not loopback: set api_key")
         if self.env.get(INSECURE_ENV, "0") not in ("", "0"):
@@ -146,12 +106,10 @@ class ServerConfig:
                "--max-model-len", str(self.max_model_len),
                "--served-model-name", self.served_model_name or self.model,
                "--disable-uvicorn-access-log",
-               # Log-probs *after* temperature/top-p (vLLM's default is before): those of the
-               # distribution that was sampled, which is what a PPO ratio divides by.
+               # log-probs of the distribution that was sampled (after temperature / top-p)
                "--logprobs-mode", "processed_logprobs",
-               # vLLM's neutral sampling defaults, not the model folder's generation_config.json
-               # (Qwen3's: top_k 20, top_p 0.95, temperature 0.6) for any field a request
-               # leaves unset; our clients set every one anyway (client.sampling_fields).
+               # vLLM's neutral defaults, not the folder's generation_config.json, for any
+               # sampling field a request leaves unset (our clients set every one anyway)
                "--generation-config", "vllm"]
         if gpu:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
@@ -167,15 +125,9 @@ class ServerConfig:
         return cmd + list(self.extra_args)
 
     def resolve_cpus(self, gpu: bool) -> tuple[int, ...] | None:
-        """The cores to pin the server tree to, or ``None`` (unpinned)."""
-        if self.cpus == "off":
-            return None
-        if self.cpus == "auto":
-            return plan(gpu=gpu).server_cpus
-        cpus = parse_cpus(self.cpus, "ServerConfig.cpus") if isinstance(self.cpus, str) \
-            else tuple(self.cpus)
-        plan(cpus=None, server_cpus=cpus, gpu=gpu)  # raises if not ours or leaves no core
-        return cpus
+        """The cores to pin the server tree to, or ``None`` (unpinned); ``"auto"`` follows
+        ``$GRPO_NB_SERVER_CPUS``. Raises if the cores are not ours or leave none free."""
+        return plan(server_cpus=None if self.cpus == "auto" else self.cpus, gpu=gpu).server_cpus
 
     def environment(self, server_id: str, gpu: bool,
                     cpus: tuple[int, ...] | None = None) -> dict[str, str]:

@@ -1,9 +1,5 @@
 """Reading the answer out of a completion, and comparing it with the reference.
 
-    completion text ─► extract_answer() ─► answers_match(predicted, reference) ─► bool
-
-The rewards built on these (``math``, ``exact``, ``format``) are in :mod:`grpo_nb.tasks.rewards`.
-
 Numbers compare numerically (``"9" == "0009"``, ``"1,200" == "1200"``); anything else (LaTeX
 such as ``\\frac{1}{2}``) goes through math-verify's symbolic check.
 """
@@ -37,17 +33,14 @@ def after_hashes(text: str) -> str | None:
     return text.rsplit("####", 1)[1].strip().replace(",", "") or None
 
 
-def extract_answer(text: str) -> str | None:
-    """The answer a completion gives, or ``None`` when it gives none.
-
-    In order: the whole text when it is just a number (the arithmetic task), the last
-    ``\\boxed{}`` (math models), what follows GSM8K's ``####``, else the last number in the text.
-    """
+def extract_answer(text: str, *, last_number: bool = True) -> str | None:
+    """The answer a text gives: the whole text when it is a number, else the last
+    ``\\boxed{}``, else what follows ``####``, else (``last_number``) the last number."""
     if (whole := WHOLE_NUMBER.fullmatch(text)) is not None:
         return whole.group(1)
     if (boxed := last_boxed(text)) is not None:
         return boxed
-    if "####" in text:
+    if "####" in text or not last_number:
         return after_hashes(text)
     numbers = _NUMBER.findall(text.replace(",", ""))
     return numbers[-1] if numbers else None

@@ -1,9 +1,7 @@
-"""The offline task: sums (and differences) of zero-padded numbers, e.g. ``"003+006="`` → ``"0009"``.
+"""The offline task: sums (and differences) of zero-padded numbers, ``"003+006="`` → ``"0009"``.
 
-The prompt is the bare problem and the answer the zero-padded result followed by the
-end-of-sequence token. A chat template around it would cost a character-level model dozens of
-tokens per prompt for no information, so this task is deliberately *chat-free*; its rows still
-carry ``messages`` so that a chat model can be trained on it too.
+Chat-free: a template would cost a character-level model dozens of tokens per prompt; the rows
+still carry ``messages`` so that a chat model can be trained on it too.
 """
 
 from __future__ import annotations
@@ -22,15 +20,8 @@ ARITHMETIC_NAME = re.compile(r"arithmetic(?::(?P<digits>\d+)digits?)?(?::(?P<ops
 
 @dataclass
 class ArithmeticTaskConfig:
-    """Sums (and optionally differences) of two zero-padded ``digits``-digit numbers.
-
-    Args:
-        digits: digits per operand (3 → ``"042+917="``); the answer has ``digits + 1``
-            characters, zero-padded (``"0959"``), with a leading ``-`` for negative differences.
-        ops: which operations to sample from, a subset of ``("+", "-")``.
-        n_train / n_test: distinct problems per split (the splits never share a problem).
-        seed: makes the dataset reproducible.
-    """
+    """Two zero-padded ``digits``-digit operands (answers: ``digits + 1`` characters, ``-`` for
+    negative differences), ``ops`` from ``("+", "-")``, distinct problems per split."""
 
     digits: int = 3
     ops: tuple[str, ...] = ("+",)
@@ -45,15 +36,13 @@ class ArithmeticTaskConfig:
         if not self.ops or any(op not in OPS for op in self.ops):
             raise ValueError(f"ArithmeticTaskConfig.ops={self.ops}: use a subset of {OPS}")
         if self.n_train < 1 or self.n_test < 1:
-            raise ValueError(
-                f"ArithmeticTaskConfig.n_train={self.n_train}, n_test={self.n_test}: need ≥ 1 each"
-            )
+            raise ValueError(f"ArithmeticTaskConfig.n_train={self.n_train}, "
+                             f"n_test={self.n_test}: need ≥ 1 each")
         space = len(self.ops) * (10**self.digits) ** 2
         if self.n_train + self.n_test > space // 2:
-            raise ValueError(
-                f"ArithmeticTaskConfig.n_train + n_test = {self.n_train + self.n_test} is more "
-                f"than half of the {space} distinct problems with digits={self.digits}"
-            )
+            raise ValueError(f"ArithmeticTaskConfig.n_train + n_test = "
+                             f"{self.n_train + self.n_test} is more than half of the {space} "
+                             f"distinct problems with digits={self.digits}")
 
     @classmethod
     def smoke(cls) -> ArithmeticTaskConfig:
@@ -62,7 +51,6 @@ class ArithmeticTaskConfig:
 
 
 def is_arithmetic_name(name: str) -> bool:
-    """Whether ``name`` names the offline family (``"arithmetic"``, ``"arithmetic:2digit"``…)."""
     return name == "arithmetic" or name.startswith("arithmetic:")
 
 
@@ -70,10 +58,9 @@ def arithmetic_config(name: str, base: ArithmeticTaskConfig | None = None) -> Ar
     """The config a dataset name asks for: ``"arithmetic[:Ndigit][:+-]"`` on top of ``base``."""
     match = ARITHMETIC_NAME.fullmatch(name)
     if match is None:
-        raise ValueError(
-            f"dataset={name!r}: the offline family is 'arithmetic', 'arithmetic:<N>digit' or "
-            "'arithmetic:<N>digit:+-' (N = digits per operand, then the operations)"
-        )
+        raise ValueError(f"dataset={name!r}: the offline family is 'arithmetic', "
+                         "'arithmetic:<N>digit' or 'arithmetic:<N>digit:+-' (N = digits per "
+                         "operand, then the operations)")
     changes: dict[str, Any] = {}
     if match["digits"]:
         changes["digits"] = int(match["digits"])
@@ -93,17 +80,11 @@ def make_dataset(cfg: ArithmeticTaskConfig | None = None) -> datasets.DatasetDic
     """Generate the train / test splits: columns ``prompt``, ``answer``, ``a``, ``b``, ``op``."""
     cfg = cfg or ArithmeticTaskConfig()
     rng = random.Random(cfg.seed)
-    seen: set[tuple[int, int, str]] = set()
-    rows: list[dict[str, Any]] = []
+    problems: dict[tuple[int, int, str], None] = {}  # distinct, in the order drawn
     high = 10**cfg.digits - 1
-    while len(rows) < cfg.n_train + cfg.n_test:
-        key = (rng.randint(0, high), rng.randint(0, high), rng.choice(cfg.ops))
-        if key in seen:
-            continue
-        seen.add(key)
-        prompt, answer = format_problem(*key, digits=cfg.digits)
-        rows.append({"prompt": prompt, "answer": answer, "a": key[0], "b": key[1], "op": key[2]})
-    train, test = rows[: cfg.n_train], rows[cfg.n_train :]
-    return datasets.DatasetDict(
-        train=datasets.Dataset.from_list(train), test=datasets.Dataset.from_list(test)
-    )
+    while len(problems) < cfg.n_train + cfg.n_test:
+        problems[(rng.randint(0, high), rng.randint(0, high), rng.choice(cfg.ops))] = None
+    rows = [dict(zip(("prompt", "answer"), format_problem(a, b, op, cfg.digits), strict=True),
+                 a=a, b=b, op=op) for a, b, op in problems]
+    return datasets.DatasetDict(train=datasets.Dataset.from_list(rows[: cfg.n_train]),
+                                test=datasets.Dataset.from_list(rows[cfg.n_train :]))

@@ -1,19 +1,14 @@
-"""Datasets by configuration: one name or path in, train / test rows out.
+"""Datasets by configuration: ``load_task(name or path)`` → train / test rows of ``prompt``,
+``messages`` and ``answer``, and :func:`check_task_fields` for a config naming one.
 
-    load_task("arithmetic" | "arithmetic:2digit:+-"      the offline family (no files at all)
-              "openai/gsm8k" | "owner/name:config"        the hub (needs internet or its cache)
-              "data.jsonl" | "data.parquet" | "folder/"   GSM8K rows or chat ``messages`` rows
-    ) ─► Task(train, test): prompt, messages, answer
-
-Row formats: GSM8K (``question``, ``answer`` ending ``#### 72``), OpenR1-Math (``problem``,
-``answer``), or ``messages`` (a chat whose last turn is the assistant's answer, ending
-``#### 72`` or ``\\boxed{72}``; an ``answer`` column, when present, wins). Each output row has
-``prompt`` (the user's text), ``messages`` (the chat up to the answer, with the configured
-system prompt) and ``answer`` (the bare reference answer).
+Names: the offline ``"arithmetic[:Ndigit][:+-]"``, a hub dataset (``"openai/gsm8k"``,
+``"owner/name:config"``), or a ``.json``/``.jsonl``/``.parquet`` file or folder of rows in one
+of the formats :mod:`grpo_nb.tasks.rows` reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +23,7 @@ from grpo_nb.tasks.arithmetic import (
     is_arithmetic_name,
     make_dataset,
 )
-from grpo_nb.tasks.prompts import prompt_text
-from grpo_nb.tasks.rewards import RewardSpec, WeightedReward, make_reward
+from grpo_nb.tasks.rewards import reward_terms
 from grpo_nb.tasks.rows import to_task_rows
 
 HUB_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
@@ -40,33 +34,20 @@ _HUB_NAME = re.compile(r"[\w.-]+(?:/[\w.-]+)?(?::[\w.-]+)?")
 
 @dataclass
 class Task:
-    """A loaded task: its splits, and what rewards and prompts default to for it."""
+    """A loaded task: its splits, and the reward ``"auto"`` stands for."""
 
-    name: str
     kind: str  # "arithmetic" (exact answers, chat-free) or "math" (answers in text)
     train: datasets.Dataset
     test: datasets.Dataset
-    system_prompt: str | None = None
 
     @property
     def default_reward(self) -> str:
         return "exact" if self.kind == "arithmetic" else "math"
 
-    def reward(self, spec: RewardSpec = "auto", weights: list[float] | None = None
-               ) -> WeightedReward:
-        """:func:`make_reward` with ``"auto"`` meaning this task's default."""
-        return make_reward(spec, weights, default=self.default_reward)
-
-    def prompt_example(self, tokenizer: Any, **template_kwargs: Any) -> str:
-        """The first training prompt as the model sees it (chat template applied)."""
-        return prompt_text(tokenizer, self.train[0], chat_template_kwargs=template_kwargs)
-
 
 def dataset_source(dataset: str) -> str:
-    """``"arithmetic"``, ``"local"`` or ``"hub"`` — cheap, for validating a config field.
-
-    Raises ``ValueError`` for a malformed name, ``FileNotFoundError`` for a missing path.
-    """
+    """``"arithmetic"``, ``"local"`` or ``"hub"``, without loading anything; ``ValueError``
+    for a malformed name, ``FileNotFoundError`` for a missing path."""
     if not isinstance(dataset, str) or not dataset.strip():
         raise ValueError(f"dataset={dataset!r}: give 'arithmetic', a hub name or a file/folder")
     if is_arithmetic_name(dataset):
@@ -113,26 +94,10 @@ def _load_hub(name: str) -> datasets.DatasetDict:
         ) from err
 
 
-def _load_source(dataset: str) -> datasets.DatasetDict:
-    kind = dataset_source(dataset)
-    if kind == "local":
-        return _load_local(Path(dataset).expanduser())
-    return _load_hub(dataset)
-
-
-def _held_out(test_size: int | float | None, n: int, where: str) -> int:
-    """How many of ``n`` rows to hold out (``test_size``: a count, a fraction, or 10 %)."""
-    size = 0.1 if test_size is None else test_size
-    count = round(size * n) if isinstance(size, float) else int(size)
-    if not 1 <= count < n:
-        raise ValueError(f"test_size={test_size!r}: {where} has {n} rows and no test split; "
-                         "hold out at least 1 row and leave at least 1 to train on")
-    return count
-
-
 def _splits(data: datasets.DatasetDict, where: str, test_size: int | float | None,
             split_seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """The source's own train/test splits when it has them, else a seeded held-out split."""
+    """The source's own train/test splits when it has them, else a seeded held-out split of
+    ``test_size`` rows (a count, a fraction, or 10 %)."""
     if not data:
         raise ValueError(f"{where}: no data")
     train_name = "train" if "train" in data else next(iter(data))
@@ -142,82 +107,81 @@ def _splits(data: datasets.DatasetDict, where: str, test_size: int | float | Non
         return train, data[test_name]
     if len(train) == 0:
         raise ValueError(f"{where}: no rows")
-    split = train.train_test_split(test_size=_held_out(test_size, len(train), where),
-                                   seed=split_seed)
+    size = 0.1 if test_size is None else test_size
+    count = round(size * len(train)) if isinstance(size, float) else int(size)
+    if not 1 <= count < len(train):
+        raise ValueError(f"test_size={test_size!r}: {where} has {len(train)} rows and no test "
+                         "split; hold out at least 1 row and leave at least 1 to train on")
+    split = train.train_test_split(test_size=count, seed=split_seed)
     return split["train"], split["test"]
 
 
 def _with_messages(ds: datasets.Dataset, system_prompt: str | None) -> datasets.Dataset:
-    """``ds`` plus a ``messages`` column (system?, user = prompt), built in Arrow.
-
-    ``Dataset.add_column`` with Python dicts takes seconds for 20,000 rows; the tiny model's
-    ring should not wait for a column it does not even use.
-    """
+    """``ds`` plus a ``messages`` column (system?, user = prompt), built in Arrow: from Python
+    dicts it is slow for the arithmetic task's many rows, which the tiny model does not read."""
     import pyarrow as pa
 
-    prompts = ds.data.table.column("prompt").to_pylist()
-    turns = 1 if system_prompt is None else 2
-    roles = (["user"] if system_prompt is None else ["system", "user"]) * len(prompts)
-    contents = prompts if system_prompt is None else [
-        text for p in prompts for text in (system_prompt, p)]
-    turn_array = pa.StructArray.from_arrays([pa.array(roles, pa.string()),
-                                             pa.array(contents, pa.string())],
+    head = [] if system_prompt is None else [("system", system_prompt)]
+    turns = [t for p in ds.data.table.column("prompt").to_pylist() for t in (*head, ("user", p))]
+    turn_array = pa.StructArray.from_arrays([pa.array([r for r, _ in turns], pa.string()),
+                                             pa.array([c for _, c in turns], pa.string())],
                                             names=["role", "content"])
-    offsets = pa.array(range(0, turns * len(prompts) + 1, turns), pa.int32())
+    offsets = pa.array(range(0, len(turns) + 1, len(head) + 1), pa.int32())
     table = ds.data.table.append_column("messages", pa.ListArray.from_arrays(offsets, turn_array))
     return datasets.Dataset(datasets.table.InMemoryTable(table))
-
-
-def _arithmetic_task(name: str, base: ArithmeticTaskConfig | None,
-                     test_size: int | float | None, system_prompt: str | None) -> Task:
-    cfg = arithmetic_config(name, base)
-    if test_size is not None:
-        if not isinstance(test_size, int):
-            raise ValueError(f"test_size={test_size!r}: the arithmetic task needs a row count")
-        cfg = ArithmeticTaskConfig(cfg.digits, cfg.ops, cfg.n_train, test_size, cfg.seed)
-    data = make_dataset(cfg)
-
-    def chat(ds: datasets.Dataset) -> datasets.Dataset:
-        return _with_messages(ds, system_prompt)
-
-    return Task(name, "arithmetic", chat(data["train"]), chat(data["test"]), system_prompt)
 
 
 def load_task(dataset: str, *, test_size: int | float | None = None, split_seed: int = 0,
               system_prompt: str | None = None, instruction: str | None = HUB_INSTRUCTION,
               arithmetic: ArithmeticTaskConfig | None = None) -> Task:
-    """Load a task by name or path (see the module docstring) as train / test rows.
+    """Load a task by name or path as train / test rows.
 
-    Args:
-        test_size: rows (int) or fraction (float) held out when the source has no test or
-            validation split (default 10 %); for the arithmetic family, its ``n_test``.
-        split_seed: seeds that held-out split (the same seed gives the same split).
-        system_prompt: a system turn put first in every row's ``messages`` (replacing any).
-        instruction: appended to GSM8K / OpenR1 questions (``None``: the question alone).
-        arithmetic: the base config for the arithmetic family (the name's suffix overrides it).
-
-    Raises ``ValueError`` / ``FileNotFoundError`` naming the problem, ``RuntimeError`` when a
-    hub dataset cannot be fetched.
+    ``test_size`` (rows or a fraction, default 10 %, seeded by ``split_seed``) is held out when
+    the source has no test or validation split; for arithmetic it is ``n_test``, and
+    ``arithmetic`` the base config the name's suffix changes. ``system_prompt`` replaces any
+    system turn; ``instruction`` follows GSM8K / OpenR1 questions. ``RuntimeError`` when a hub
+    dataset cannot be fetched.
     """
     if is_arithmetic_name(dataset):
-        return _arithmetic_task(dataset, arithmetic, test_size, system_prompt)
+        cfg = arithmetic_config(dataset, arithmetic)
+        if test_size is not None:
+            if not isinstance(test_size, int):
+                raise ValueError(f"test_size={test_size!r}: the arithmetic task needs a row count")
+            cfg = dataclasses.replace(cfg, n_test=test_size)
+        data = make_dataset(cfg)
+        return Task("arithmetic", _with_messages(data["train"], system_prompt),
+                    _with_messages(data["test"], system_prompt))
     where = f"dataset {dataset!r}"
-    train, test = _splits(_load_source(dataset), where, test_size, split_seed)
+    source = dataset_source(dataset)
+    data = _load_local(Path(dataset).expanduser()) if source == "local" else _load_hub(dataset)
+    train, test = _splits(data, where, test_size, split_seed)
     rows = {name: to_task_rows(split, f"{where} ({name})", system_prompt=system_prompt,
                                instruction=instruction)
             for name, split in (("train", train), ("test", test))}
-    return Task(dataset, "math", rows["train"], rows["test"], system_prompt)
+    return Task("math", rows["train"], rows["test"])
 
 
-def load_hub_math(name_or_path: str, split: str = "train") -> datasets.Dataset:
-    """One split of a math dataset (hub name, folder or file) as ``prompt, messages, answer``.
-
-    A file has one split, returned whatever ``split`` says. Prefer :func:`load_task`.
-    """
-    data = _load_source(name_or_path)
-    if split not in data:
-        if len(data) != 1:
-            raise ValueError(f"dataset {name_or_path!r}: no split {split!r} in {list(data)}")
-        split = next(iter(data))
-    return to_task_rows(data[split], f"dataset {name_or_path!r}", system_prompt=None,
-                        instruction=HUB_INSTRUCTION)
+def check_task_fields(cfg: Any) -> None:
+    """A config's dataset, test_size, prompt fields and reward, checked without loading data or
+    importing reward functions; ``ValueError`` names the ``LLMConfig`` field."""
+    try:
+        dataset_source(cfg.dataset)
+    except (ValueError, FileNotFoundError) as err:
+        why = str(err).removeprefix(f"dataset={cfg.dataset!r}: ")
+        raise ValueError(f"LLMConfig.dataset={cfg.dataset!r}: {why}") from None
+    size = cfg.test_size
+    if size is not None and (isinstance(size, bool) or not (
+            (isinstance(size, int) and size >= 1) or (isinstance(size, float) and 0 < size < 1))):
+        raise ValueError(f"LLMConfig.test_size={size!r}: a row count >= 1, a fraction in "
+                         "(0, 1), or None (the data's test split, else 10 %)")
+    if cfg.system_prompt is not None and not isinstance(cfg.system_prompt, str):
+        raise ValueError(f"LLMConfig.system_prompt={cfg.system_prompt!r}: a string or None")
+    if cfg.chat_template_kwargs is not None and not isinstance(cfg.chat_template_kwargs, dict):
+        raise ValueError(f"LLMConfig.chat_template_kwargs={cfg.chat_template_kwargs!r}: "
+                         "a dict or None")
+    if cfg.max_prompt_len < 1:
+        raise ValueError(f"LLMConfig.max_prompt_len={cfg.max_prompt_len}: must be >= 1")
+    try:
+        reward_terms(cfg.reward)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"LLMConfig.reward={cfg.reward!r}: {err}") from None

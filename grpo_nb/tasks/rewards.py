@@ -1,14 +1,10 @@
-"""Rewards chosen by configuration: one registry of ``reward(completion_text, answer) -> float``.
+"""Rewards chosen by configuration: ``make_reward(spec)`` → ``reward(completion_text, answer)``.
 
-    make_reward("auto" | "math+0.1*format" | "mypkg.rewards:mine" | fn | [..], weights)
-        └─► WeightedReward: Σ weight × term(completion_text, answer)
-
-Built-in names: ``exact`` (the arithmetic task: the completion is just the number, equal to the
-answer), ``math`` (the answer read out of math text — ``\\boxed{}``, ``####`` or the last
-number — checked numerically or with math-verify), ``format`` (1.0 for a bare number or a
-``\\boxed{}`` answer). ``"auto"`` stands for the task's own default (``exact`` for arithmetic,
-``math`` otherwise). A ``"module:function"`` string imports a user function; unlike a function
-passed directly, it survives being sent to an actor in another process by name alone.
+A spec is a built-in name (``exact``: the completion is just the number; ``math``: the
+answer read out of the text; ``format``: a bare number or a ``\\boxed{}`` answer), ``"auto"``
+(the task's own check), a ``"module:function"`` (survives pickling to another process by
+name), a weighted sum such as ``"math+0.1*format"``, a callable, or a list of these (or of
+``(term, weight)`` pairs).
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ RewardTerm = str | RewardFn
 RewardSpec = RewardTerm | Sequence[RewardTerm | tuple[RewardTerm, float]]
 
 _TERM = re.compile(r"\s*(?:(?P<weight>\d+(?:\.\d*)?(?:[eE]-?\d+)?)\s*\*\s*)?(?P<name>[\w.:]+)\s*")
-_NAME = re.compile(r"[A-Za-z_][\w]*")
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 def exact_match(completion_text: str, answer: str) -> float:
@@ -41,11 +37,8 @@ def exact_match(completion_text: str, answer: str) -> float:
 
 
 def math_answer(completion_text: str, answer: str) -> float:
-    """1.0 when the answer read out of the text matches (numbers, else math-verify).
-
-    Lenient about the answer's position (the last number counts), so ``"0009"`` scores but
-    ``"0009 12"`` (the model kept talking) reads ``12`` and does not.
-    """
+    """1.0 when the answer read out of the text matches; the last number counts, so
+    ``"0009 12"`` (the model kept talking) does not score."""
     predicted = extract_answer(completion_text)
     return float(predicted is not None and answers_match(predicted, answer))
 
@@ -60,57 +53,65 @@ REWARDS: dict[str, RewardFn] = {"exact": exact_match, "math": math_answer,
                                 "format": format_reward}
 
 
-def register_reward(name: str, fn: RewardFn) -> None:
-    """Add ``fn`` to the registry under ``name`` (this process only: see the module docstring)."""
-    if not _NAME.fullmatch(name) or name == "auto":
-        raise ValueError(f"reward name {name!r}: use a Python identifier other than 'auto'")
-    REWARDS[name] = _check_callable(fn, name)
-
-
 def _check_callable(fn: Any, label: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward {label!r} is not callable: {fn!r}")
     try:
         inspect.signature(fn).bind("completion", "answer")
     except TypeError as err:
-        raise ValueError(
-            f"reward {label!r} must accept (completion_text, answer): {err}"
-        ) from None
+        raise ValueError(f"reward {label!r} must accept (completion_text, answer): {err}") from None
     except ValueError:  # builtins without a signature: trust them
         pass
     return fn
 
 
+def _check_term(term: RewardTerm) -> None:
+    """Checks a term without importing anything: a callable's signature, a name's spelling."""
+    if callable(term):
+        _check_callable(term, getattr(term, "__name__", repr(term)))
+    elif ":" in term:
+        if not _IMPORT_PATH.fullmatch(term):
+            raise ValueError(f"reward {term!r}: write an import path as 'module:function'")
+    elif term != "auto" and term not in REWARDS:
+        raise ValueError(f"reward {term!r}: unknown; use one of {sorted(REWARDS)}, 'auto', "
+                         "'module:function', or a weighted sum such as 'math+0.1*format'")
+
+
 def _resolve(term: RewardTerm, default: str) -> RewardFn:
     if callable(term):
-        return _check_callable(term, getattr(term, "__name__", repr(term)))
+        return term
     name = default if term == "auto" else term
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"reward {name!r}: cannot import it ({err})") from None
-        return _check_callable(fn, name)
-    if name not in REWARDS:
-        raise ValueError(
-            f"reward {name!r}: unknown; use one of {sorted(REWARDS)}, 'auto', "
-            "'module:function', or a weighted sum such as 'math+0.1*format'"
-        )
-    return REWARDS[name]
+    if ":" not in name:
+        return REWARDS[name]
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward {name!r}: cannot import it ({err})") from None
+    return _check_callable(fn, name)
 
 
-def parse_reward(spec: str) -> list[tuple[str, float]]:
-    """``"math+0.1*format"`` → ``[("math", 1.0), ("format", 0.1)]`` (names not yet checked)."""
-    terms = []
-    for part in spec.split("+"):
-        match = _TERM.fullmatch(part)
-        if match is None:
-            raise ValueError(
-                f"reward {spec!r}: cannot read the term {part!r}; write e.g. 'math+0.1*format'"
-            )
-        terms.append((match["name"], float(match["weight"] or 1.0)))
-    return terms
+def reward_terms(spec: RewardSpec = "auto") -> tuple[tuple[RewardTerm, float], ...]:
+    """``spec`` as ``(term, weight)`` pairs, checked without importing anything (a config's
+    validation); ``ValueError`` names the bad term."""
+    if isinstance(spec, str):
+        terms: list[tuple[RewardTerm, float]] = []
+        for part in spec.split("+"):
+            if (match := _TERM.fullmatch(part)) is None:
+                raise ValueError(f"reward {spec!r}: cannot read the term {part!r}; "
+                                 "write e.g. 'math+0.1*format'")
+            terms.append((match["name"], float(match["weight"] or 1.0)))
+    elif callable(spec):
+        terms = [(spec, 1.0)]
+    else:
+        terms = [t if isinstance(t, tuple) else (t, 1.0) for t in spec]
+    if not terms:
+        raise ValueError("reward: give at least one reward term")
+    for term, weight in terms:
+        _check_term(term)
+        if not math.isfinite(weight):
+            raise ValueError(f"reward {term!r}: weight {weight} is not finite")
+    return tuple(terms)
 
 
 @dataclass(frozen=True)
@@ -121,12 +122,8 @@ class WeightedReward:
     default: str = "math"
 
     def __post_init__(self) -> None:
-        if not self.terms:
-            raise ValueError("reward: give at least one reward term")
-        for term, weight in self.terms:
-            if not math.isfinite(weight):
-                raise ValueError(f"reward {term!r}: weight {weight} is not finite")
-            _resolve(term, self.default)  # fail at configuration time, not mid-run
+        for term, _ in self.terms:
+            _resolve(term, self.default)  # an import path that fails, fails here
 
     @property
     def names(self) -> list[str]:
@@ -143,24 +140,8 @@ class WeightedReward:
         return total
 
 
-def make_reward(spec: RewardSpec = "auto", weights: Sequence[float] | None = None, *,
-                default: str = "math") -> WeightedReward:
-    """The reward a configuration names (see the module docstring); ``"auto"`` → ``default``.
-
-    ``spec`` is a name, a ``"a+0.5*b"`` sum, a ``"module:function"``, a callable, or a list of
-    those (or of ``(term, weight)`` pairs); ``weights`` (TRL's ``reward_weights``) goes with a
-    list, one weight per term. Raises ``ValueError`` naming the bad term.
-    """
+def make_reward(spec: RewardSpec = "auto", *, default: str = "math") -> WeightedReward:
+    """The reward a spec names (see the module docstring); ``"auto"`` means ``default``."""
     if default == "auto" or default not in REWARDS:
         raise ValueError(f"reward default={default!r}: use one of {sorted(REWARDS)}")
-    if isinstance(spec, str):
-        terms: list[tuple[RewardTerm, float]] = list(parse_reward(spec))
-    elif callable(spec):
-        terms = [(spec, 1.0)]
-    else:
-        terms = [t if isinstance(t, tuple) else (t, 1.0) for t in spec]
-    if weights is not None:
-        if len(weights) != len(terms):
-            raise ValueError(f"reward weights={list(weights)}: need one per term ({len(terms)})")
-        terms = [(term, float(w)) for (term, _), w in zip(terms, weights, strict=True)]
-    return WeightedReward(tuple(terms), default)
+    return WeightedReward(reward_terms(spec), default)

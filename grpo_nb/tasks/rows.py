@@ -1,4 +1,6 @@
-"""Row formats: GSM8K, OpenR1-Math and chat ``messages`` rows → ``prompt, messages, answer``."""
+"""Row formats → ``prompt, messages, answer``: GSM8K (``question``, ``answer`` ending ``#### 72``),
+OpenR1-Math (``problem``, ``answer``), or ``messages`` (a chat ending with the assistant's answer,
+``#### 72`` or ``\\boxed{72}``; an ``answer`` column, when present, wins)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any
 
 import datasets
 
-from grpo_nb.tasks.answers import WHOLE_NUMBER, after_hashes, last_boxed
+from grpo_nb.tasks.answers import after_hashes, extract_answer
 
 FORMATS = ("GSM8K (question, answer ending '#### N'), OpenR1-Math (problem, answer), "
            "or messages (a chat ending with the assistant's answer)")
@@ -31,16 +33,6 @@ def _gsm8k(row: Row, where: str) -> str:
     return answer
 
 
-def _final_answer(text: str) -> str | None:
-    """The reference answer an assistant turn states: ``#### N``, ``\\boxed{N}`` or just N."""
-    if (hashed := after_hashes(text)) is not None:
-        return hashed
-    if (boxed := last_boxed(text)) is not None:
-        return boxed
-    whole = WHOLE_NUMBER.fullmatch(text)
-    return whole.group(1) if whole else None
-
-
 def _from_messages(row: Row, where: str, system_prompt: str | None) -> Row:
     turns = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"] or []]
     if len(turns) < 2 or turns[-1]["role"] != "assistant":
@@ -51,7 +43,7 @@ def _from_messages(row: Row, where: str, system_prompt: str | None) -> Row:
         raise ValueError(f"{where}: 'messages' has no user turn before the answer")
     answer = row.get("answer")
     answer = (after_hashes(str(answer)) or str(answer).strip()) if answer is not None else (
-        _final_answer(turns[-1]["content"]))
+        extract_answer(turns[-1]["content"], last_number=False))
     if not answer:
         raise ValueError(f"{where}: cannot find the final answer in the assistant turn "
                          f"{turns[-1]['content'][-80:]!r}: end it with '#### N' or "
@@ -61,7 +53,6 @@ def _from_messages(row: Row, where: str, system_prompt: str | None) -> Row:
 
 def row_converter(columns: list[str], where: str, system_prompt: str | None,
                   instruction: str | None) -> Callable[[Row, int], Row]:
-    """The function that turns one raw row (and its index) into a task row."""
     cols = set(columns)
     if "messages" in cols:
         return lambda row, i: _from_messages(row, f"{where}, row {i}", system_prompt)

@@ -1,27 +1,13 @@
-"""The four actors of the toy GRPO ring, on the shared skeleton of :mod:`grpo_nb.ring`::
-
-    Generator × K ──Group──► Scorer ──Group + rewards──► Reference ──Group + ref_logprobs──► Trainer
-      (Source)      (one shared inlet)  (Relay)                  (Relay)                    (Sink)
-         ▲                                                                                  │
-         └──── send(update_weights, (version, weights), selection="choose") ◄───────────────┘
-               send(progress, (version,), selection="all")
-    every actor ──Event("busy" | "step" | "exited" | "error")──► Controller (metrics port)
-
-What is specific to the toy ring is only what each stage does to a :class:`~grpo_nb.toy.task.Group`:
-the generator samples ``G`` arms from its MLP, the scorer asks the hidden teacher which arm
-pays, the reference adds its log-probs (for the KL term), the trainer takes a GRPO step and
-sends its new weights to ONE generator, chosen at random (load balancing, as in Monarch's own
-example; ``ToyConfig.selection="all"`` broadcasts them instead), and its version number to all
-(a few bytes, which paces them: ``ToyConfig.max_lag``).
-
-These are plain module-level classes: the same classes run on torchmonarch processes.
+"""The four stages of the toy GRPO ring on :mod:`grpo_nb.ring`'s skeleton: the generator samples
+``G`` arms from its MLP, the scorer rewards the teacher's arm and computes the group advantages,
+the reference adds its log-probs (for the KL term), the trainer takes a GRPO step, sends its new
+weights (``ToyConfig.selection``) and issues credits to every generator (``ToyConfig.mode``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import math
 import time
 from typing import Any
 
@@ -29,35 +15,34 @@ import torch
 
 from grpo_nb import grpo
 from grpo_nb.actors import current_rank, endpoint, send
-from grpo_nb.ring import Relay, Sink, Source
+from grpo_nb.ring import Relay, Sink, Source, share
 from grpo_nb.toy.task import (
     Group,
     ToyConfig,
     best_arm,
     build_policy,
     build_teacher,
+    decode_time,
     policy_logprobs,
 )
 
 
 class Generator(Source):
-    """Samples groups from its copy of the policy; loads new weights when the trainer sends some."""
+    """Samples groups from its copy of the policy, as many as the trainer's credits allow."""
 
     def __init__(self, cfg: ToyConfig, weights: dict, out: Any, metrics: Any) -> None:
         self.cfg, self.out = cfg, out
+        self.rank = current_rank().rank
+        self.attach(metrics, f"gen{self.rank}")
+        self.rng = torch.Generator().manual_seed(cfg.seed * 1009 + 17 * self.rank + 1)
         self.policy = build_policy(cfg)
         self.policy.load_state_dict(weights)
-        self.version = 0  # of the weights this generator samples with
-        self.trainer_version = 0  # of the trainer's newest weights (broadcast to all)
+        self.version = self.allowed = 0  # of the weights it samples with; its share of the credits
         self.pending: tuple[int, dict] | None = None
-        self.progressed = asyncio.Event()
-        self.attach(metrics)
+        self.changed = asyncio.Event()
 
     @endpoint
     async def start(self) -> None:
-        rank = current_rank().rank
-        self.attach(self.metrics, f"gen{rank}")
-        self.rng = torch.Generator().manual_seed(self.cfg.seed * 1009 + 17 * rank + 1)
         self.launch(self._produce())
 
     @endpoint
@@ -66,59 +51,42 @@ class Generator(Source):
             self.pending = (version, weights)  # only the newest matters
 
     @endpoint
-    async def progress(self, version: int) -> None:
-        self.trainer_version = max(self.trainer_version, version)
-        self.progressed.set()
-
-    def _apply_pending(self) -> None:
-        if self.pending is not None:
-            self.version, weights = self.pending
-            self.policy.load_state_dict(weights)
-            self.pending = None
-
-    async def _wait_for_trainer(self, made: int) -> None:
-        """Flow control: this generator's share of the ring's output may run at most
-        ``max_lag`` trainer steps ahead (assuming the K generators share the work)."""
-        cfg = self.cfg
-        if cfg.max_lag is None:
-            return
-        while self.trainer_version < (made * cfg.generators) // cfg.groups_per_step - cfg.max_lag:
-            self.progressed.clear()
-            await self.progressed.wait()
-
-    def _decode_time(self) -> float:
-        """``gen_delay_s``, times a log-normal factor of mean 1 when the tail is on."""
-        sigma = self.cfg.gen_delay_tail
-        if sigma == 0:
-            return self.cfg.gen_delay_s
-        z = float(torch.randn((), generator=self.rng))
-        return self.cfg.gen_delay_s * math.exp(sigma * z - sigma * sigma / 2)
+    async def progress(self, version: int, issued: int) -> None:
+        """The trainer's version (the toy samples with the weights it was sent) and how many
+        groups the ring may have issued in all."""
+        self.allowed = share(issued, self.rank, self.cfg.generators)
+        self.changed.set()
 
     async def _produce(self) -> None:
         made = 0
         while True:
-            self._apply_pending()
-            await self._wait_for_trainer(made)
-            self._apply_pending()
+            while made >= self.allowed:
+                self.changed.clear()
+                await self.changed.wait()
+            if self.pending is not None:  # weights arrive before the credits they come with
+                self.version, weights = self.pending
+                self.policy.load_state_dict(weights)
+                self.pending = None
             start = time.time()
             obs = torch.randn(self.cfg.obs_dim, generator=self.rng)
             with torch.no_grad():
                 logp_all = torch.log_softmax(self.policy(obs), dim=-1)
                 acts = torch.multinomial(logp_all.exp(), self.cfg.group_size, replacement=True,
                                          generator=self.rng)
-            # Stands for the time a real generator spends decoding (see ToyConfig.gen_delay_s).
-            await asyncio.sleep(self._decode_time())
+            z = float(torch.randn((), generator=self.rng)) if self.cfg.gen_delay_tail else 0.0
+            await asyncio.sleep(decode_time(self.cfg, z))  # stands for an LLM's decoding time
             self.out.send(Group(obs, acts, logp_all[acts], self.version, self.name, time.time()))
             self.busy.add("generate", start)
             made += 1
 
 
 class Scorer(Relay):
-    """Rewards each sample 1 when it picked the arm the hidden teacher prefers."""
+    """Rewards each sample 1 when it picked the teacher's arm; then the group's advantages."""
 
     name, label, sender = "scorer", "score", "the generators"
 
     def __init__(self, cfg: ToyConfig, metrics: Any) -> None:
+        self.cfg = cfg
         self.upstream = cfg.generators  # every generator ends its stream with one None
         self.teacher = build_teacher(cfg)
         self.open_inlet()
@@ -126,6 +94,8 @@ class Scorer(Relay):
 
     async def process(self, group: Group) -> Group:
         group.rewards = (group.actions == best_arm(self.teacher, group.obs)).float()
+        group.advantages = grpo.group_advantages(group.rewards, self.cfg.group_size,
+                                                 scale=self.cfg.adv_scale)
         return group
 
 
@@ -148,7 +118,7 @@ class Reference(Relay):
 
 
 class Trainer(Sink):
-    """Takes ``groups_per_step`` groups per step, one GRPO update, then new weights out."""
+    """Takes ``groups_per_step`` groups per step, one GRPO update, then new weights and credits out."""
 
     name, sender = "trainer", "reference"
 
@@ -156,10 +126,9 @@ class Trainer(Sink):
         self.cfg = cfg
         self.policy = build_policy(cfg, seed=cfg.seed)
         self.opt = torch.optim.Adam(self.policy.parameters(), lr=cfg.lr)
-        self.teacher = build_teacher(cfg)
         eval_gen = torch.Generator().manual_seed(cfg.seed + 4242)
         self.eval_obs = torch.randn(cfg.eval_states, cfg.obs_dim, generator=eval_gen)
-        self.eval_best = best_arm(self.teacher, self.eval_obs)
+        self.eval_best = best_arm(build_teacher(cfg), self.eval_obs)
         self.open_inlet()
         self.attach(metrics)
 
@@ -173,8 +142,12 @@ class Trainer(Sink):
 
     async def _train(self, generators: Any) -> None:
         cfg = self.cfg
+        ahead = cfg.max_ahead if cfg.mode == "async" else 0
+        received = 0
+        send(generators.progress, (0, (1 + ahead) * cfg.groups_per_step), {}, selection="all")
         for step in range(cfg.steps):
             groups = [await self.inbox.recv() for _ in range(cfg.groups_per_step)]
+            received += len(groups)
             depth = self.inbox.qsize() if hasattr(self.inbox, "qsize") else None  # not on Monarch
             start = time.time()
             row = self._step(step, groups)
@@ -182,17 +155,17 @@ class Trainer(Sink):
                 await asyncio.sleep(cfg.train_delay_s)  # see ToyConfig.train_delay_s
             send(generators.update_weights, (step + 1, copy.deepcopy(self.policy.state_dict())), {},
                  selection=cfg.selection)
-            send(generators.progress, (step + 1,), {}, selection="all")
+            # async: keep 1 + max_ahead steps' worth outstanding; sync: one step's, after the update.
+            send(generators.progress, (step + 1, received + (1 + ahead) * cfg.groups_per_step), {},
+                 selection="all")
             self.busy.add("train", start)
             self.report("step", **row, queue_depth=depth)
             await asyncio.sleep(0)  # let update_weights / metrics go out between steps
-        # Bounded (Sink.finish_timeout_s): a generator or stage that died is named, not waited on.
         await self.drain_sources(generators, cfg.generators)
         self.report("exited", actor=self.name, dropped=await self.discard_queued())
 
     def _evaluate(self) -> tuple[float, float]:
-        """The current policy's exact expected reward and its mean entropy (nats), both
-        averaged over the fixed eval states: exact, so the curves are not sampling noise."""
+        """Exact expected reward and mean entropy (nats) over the fixed eval states: no sampling noise."""
         with torch.no_grad():
             logits = self.policy(self.eval_obs)
             probs = torch.softmax(logits, dim=-1)
@@ -206,8 +179,8 @@ class Trainer(Sink):
         old = torch.cat([g.logprobs for g in groups])[:, None]  # [B, 1]
         ref = torch.cat([g.ref_logprobs for g in groups])[:, None]
         rewards = torch.cat([g.rewards for g in groups])  # [B]
+        adv = torch.cat([g.advantages for g in groups])
         logp = policy_logprobs(self.policy, obs, acts).reshape(-1, 1)
-        adv = grpo.group_advantages(rewards, cfg.group_size)
         loss, m = grpo.policy_loss(
             logp, old, adv, torch.ones_like(logp), clip_low=cfg.clip, clip_high=cfg.clip,
             ref_logprobs=ref, kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind,

@@ -1,17 +1,6 @@
-"""Run the toy GRPO ring: wire the four actors of :mod:`grpo_nb.toy.actors` with the shared
-:class:`~grpo_nb.ring.Controller`, record every step, summarise; ``python -m grpo_nb toy``.
-
-::
-
-    run_ring(cfg) ── spawns ──► Generator × K ─► Scorer ─► Reference ─► Trainer
-        ▲                            ▲  (weights, selection="choose")      │
-        │                            └─────────────────────────────────────┘
-        └──── Event("step" | "busy" | "exited" | "error") ◄── every actor (metrics port)
-              └─► MetricsRecorder (runs/<name>/metrics.jsonl) ─► on_step (live plot, tqdm)
-
-The task and policy are :mod:`grpo_nb.toy.task`; the GRPO math is :mod:`grpo_nb.grpo` (one
-implementation for the whole package). ``cfg.backend`` picks the runtime: ``"asyncio"`` (this
-process) or ``"monarch"`` (the same classes on torchmonarch processes).
+"""Run the toy GRPO ring: spawn and wire the four stages of :mod:`grpo_nb.toy.actors` with the
+shared :class:`~grpo_nb.ring.Controller`, record every step, summarise; ``python -m grpo_nb toy``.
+``cfg.backend`` picks the runtime: ``"asyncio"`` (this process) or ``"monarch"`` (processes).
 """
 
 from __future__ import annotations
@@ -91,7 +80,6 @@ async def run_ring(
     runs their ``__cleanup__`` before the exception propagates.
     """
     ctl = Controller(cfg.backend, recorder, stop_timeout_s=stop_timeout_s)
-    t0 = time.perf_counter()
     async with ctl:
         gen_procs = ctl.procs(cfg.generators)
         if cfg.layout == "per_role":
@@ -104,11 +92,7 @@ async def run_ring(
         reference = ctl.spawn(ref_procs, "reference", Reference, cfg, weights, ctl.metrics)
         gens = ctl.spawn(gen_procs, "generators", Generator, cfg, weights,
                          await scorer.inlet.call_one(), ctl.metrics)
-        # Wire back to front, so every stage's output exists before anything flows into it.
-        await trainer.start.call_one(gens)
-        await reference.start.call_one(await trainer.inlet.call_one())
-        await scorer.start.call_one(await reference.inlet.call_one())
-        await gens.start.call()
+        await ctl.wire(gens, scorer, reference, trainer)
         t0 = time.perf_counter()
 
         def relayed(event: Event) -> None:
@@ -127,7 +111,7 @@ def unique_run_name(prefix: str) -> str:
 
 def cli(argv: list[str]) -> int:
     """``python -m grpo_nb toy``: run the ring with a progress bar, write metrics + PNG."""
-    parser = argparse.ArgumentParser(prog="python -m grpo_nb toy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m grpo_nb toy", description="Run the toy GRPO ring.")
     parser.add_argument("--steps", type=int, help="trainer steps (default: the preset's)")
     parser.add_argument("--generators", type=int, help="number of generator actors")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,25 +1,16 @@
-"""When does asynchrony pay? The toy ring, synchronous vs asynchronous, as generation time
-grows a heavy tail — with a cost model that predicts both, to check against the measurement.
+"""When does asynchrony pay? The toy ring in ``mode="sync"`` vs ``"async"`` as generation time grows
+a heavy tail, with a cost model that predicts both, to check against the measurement.
 
 Each step needs ``groups_per_step`` groups from ``K`` generators that decode concurrently (each
-makes ``groups_per_step / K`` of them, one after another), then one trainer step::
-
-    sync   (max_lag=0): generate ─────────┤ train ┤ generate ─────┤ train ┤ ...
-                        the step waits for its SLOWEST generator, then for the trainer
-    async  (max_lag≥1): generate generate generate generate ...
-                                  train ┤  train ┤  train ┤ ...
-                        the trainer eats what is ready; generation never waits for it
+makes ``groups_per_step / K`` of them, one after another), then one trainer step. In sync mode
+the step waits for its slowest generator, then for the trainer; in async mode the generators
+keep decoding while the trainer trains:
 
     predicted sync step  ≈ E[max over generators of its groups' decode time] + train + c
     predicted async step ≈ max(E[one generator's decode time per step], train + c)
 
-where ``c`` is the ring's own cost per step (the loss, copying and sending weights, the
-messages), measured once by a run with no simulated decode or train time.
-
-Both use ``selection="all"`` (every generator gets each new weights), so the only staleness
-left in async mode is run-ahead, bounded by ``max_lag``. The speed-up is largest when
-generation and training cost the same and when the tail is long — the setting of real LLM
-RL (a few answers run to ``max_tokens``; generation and training on separate GPU pools).
+where ``c`` is the ring's own cost per step, measured once by a run with no simulated time.
+Both modes send weights to all generators, so async's only staleness is run-ahead.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.toy.run import run_ring
-from grpo_nb.toy.task import ToyConfig
+from grpo_nb.toy.task import ToyConfig, decode_time
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -72,16 +63,12 @@ def predict(cfg: ToyConfig, overhead_s: float = 0.0, samples: int = 4000,
     """(sync, async) seconds per step from the cost model above (Monte Carlo over the
     log-normal decode times); ``overhead_s`` is ``c``, see :func:`measure_overhead`."""
     rng = random.Random(seed)
-    sigma, per_gen = cfg.gen_delay_tail, math.ceil(cfg.groups_per_step / cfg.generators)
-
-    def decode() -> float:
-        if sigma == 0:
-            return cfg.gen_delay_s
-        return cfg.gen_delay_s * math.exp(sigma * rng.gauss(0, 1) - sigma * sigma / 2)
-
-    slowest = [max(sum(decode() for _ in range(per_gen)) for _ in range(cfg.generators))
-               for _ in range(samples)]
+    per_gen = math.ceil(cfg.groups_per_step / cfg.generators)
+    slowest = [max(sum(decode_time(cfg, rng.gauss(0, 1)) for _ in range(per_gen))
+                   for _ in range(cfg.generators)) for _ in range(samples)]
     sync = statistics.fmean(slowest) + cfg.train_delay_s + overhead_s
+    if cfg.max_ahead == 0:  # no credits beyond the current step: async mode runs as sync
+        return sync, sync
     return sync, max(per_gen * cfg.gen_delay_s, cfg.train_delay_s + overhead_s)
 
 
@@ -96,21 +83,22 @@ async def measure_overhead(base: ToyConfig) -> float:
     """``c``: seconds per step of the ring itself (synchronous, no simulated delays)."""
     rec = MetricsRecorder(None)
     await run_ring(replace(base, gen_delay_s=0.0, train_delay_s=0.0, gen_delay_tail=0.0,
-                           max_lag=0), rec)
+                           mode="sync"), rec)
     return _step_time(rec)
 
 
 async def tail_sweep(base: ToyConfig, tails: tuple[float, ...] = (0.0, 0.75, 1.5),
-                     max_lag: int = 2) -> list[SweepPoint]:
-    """Run ``base`` in both modes at each tail setting; measured against predicted."""
-    overhead = await measure_overhead(base)
+                     overhead_s: float | None = None) -> list[SweepPoint]:
+    """Run ``base`` in both modes at each tail setting; measured against predicted with
+    ``overhead_s`` as ``c`` (measured here when not given)."""
+    overhead = await measure_overhead(base) if overhead_s is None else overhead_s
     points = []
     for tail in tails:
         cfg = replace(base, gen_delay_tail=tail)
         measured = {}
-        for mode, lag in (("sync", 0), ("async", max_lag)):
+        for mode in ("sync", "async"):
             rec = MetricsRecorder(None)
-            result = await run_ring(replace(cfg, max_lag=lag), rec)
+            result = await run_ring(replace(cfg, mode=mode), rec)
             measured[mode] = (_step_time(rec), result.staleness_mean)
         sync_pred, async_pred = predict(cfg, overhead)
         points.append(SweepPoint(tail, measured["sync"][0], measured["async"][0], sync_pred,

@@ -1,13 +1,9 @@
 """The toy task and policy: a contextual bandit with a known optimum, and an MLP that learns it.
 
-A state ``s ∈ R^obs_dim`` is drawn at random; the policy picks one of ``arms`` actions; the
-reward is 1 when it picks the arm a fixed hidden *teacher* ``W*`` prefers (``argmax W* s``),
-else 0. A random policy earns ``1/arms``; the best policy earns exactly **1.0** (the teacher is
-linear, the policy an MLP that can represent it), so a plot shows the gap to a known optimum
-closing. This is the stand-in for "answer the prompt correctly" that the LLM ring
-(:mod:`grpo_nb.llm`) replaces with a language model and a verifiable reward.
-
-:class:`Group` is the one message of the toy ring: each stage fills in its field.
+A random state ``s ∈ R^obs_dim`` is the prompt; the policy picks one of ``arms`` actions; the
+reward is 1 for the arm a fixed hidden teacher ``W*`` prefers (``argmax W* s``), else 0. A random
+policy earns ``1/arms``, the best exactly 1.0, so a plot shows the gap to a known optimum.
+:class:`Group` is the ring's one message: each stage fills in its field.
 """
 
 from __future__ import annotations
@@ -19,12 +15,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-Backend = Literal["asyncio", "monarch"]
+from grpo_nb.grpo import AdvScale
 
 
 @dataclass(frozen=True)
 class ToyConfig:
-    """Everything the toy ring needs. ``ToyConfig.smoke()`` is the CI size."""
+    """Everything the toy ring needs (validated; errors name the field). ``smoke()``: the CI size."""
 
     steps: int = 400
     generators: int = 4
@@ -37,31 +33,27 @@ class ToyConfig:
     clip: float = 0.2
     kl_coef: float = 0.02
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    adv_scale: AdvScale = "std"  # "none": no division by the group's std (Dr. GRPO)
     seed: int = 0
-    # Simulated decoding time per group. Without it the generators would flood the trainer
-    # (sampling 8 actions from a tiny MLP takes microseconds, unlike an LLM).
+    # Simulated decoding time per group: sampling from a tiny MLP takes microseconds, unlike
+    # an LLM. gen_delay_tail > 0 multiplies it by a log-normal factor of mean 1 and that sigma
+    # (1.5: one group in a hundred takes over 10x the mean, like an answer that runs to max_tokens).
     gen_delay_s: float = 0.02
-    # Heavy tail of that time: each group's delay is gen_delay_s x a log-normal factor of mean 1
-    # and this sigma (0: every group takes gen_delay_s; 1.5: one group in a hundred takes over
-    # 10x the mean, like an LLM answer that runs to max_tokens).
     gen_delay_tail: float = 0.0
-    # Simulated time of one trainer step beyond its real (tiny) computation: a backward pass on
-    # another device, during which generation goes on.
+    # Simulated time of a trainer step beyond its tiny computation (a backward pass elsewhere).
     train_delay_s: float = 0.0
-    # Flow control. k: a generator waits before its n-th group until the trainer has reached
-    # version n * generators // groups_per_step - k (its share of the work may run k steps
-    # ahead). None: no pacing at all (the queue grows without bound when generators are faster
-    # than the trainer). With one generator, 0 is on-policy and deterministic.
-    max_lag: int | None = 2
+    # Credits, as in the LLM ring: the trainer issues them and generator r of K makes its share.
+    # "async" keeps 1 + max_ahead steps' worth outstanding; "sync" issues one step's worth only
+    # after each update (with weights to every generator: on-policy).
+    mode: Literal["async", "sync"] = "async"
+    max_ahead: int = 2
     eval_states: int = 512
     # Who gets the trainer's new weights: "choose" sends them to ONE generator picked at random
-    # (as in Monarch's example: cheap, but the others keep sampling with older weights);
-    # "all" broadcasts them (every generator is at most max_lag steps behind).
+    # (cheap, as in Monarch's example; the others keep sampling with older weights); "all" to all.
     selection: Literal["choose", "all"] = "choose"
-    backend: Backend = "asyncio"
+    backend: Literal["asyncio", "monarch"] = "asyncio"
     # "per_role": a process mesh per role (K + 3 processes on Monarch, as in Monarch's example);
-    # "shared": generators on one mesh, scorer + reference + trainer share one process (K + 1).
-    # Starting a process costs seconds (Python + torch imports), so "shared" starts faster.
+    # "shared": scorer, reference and trainer share one process (K + 1: faster to start).
     layout: Literal["per_role", "shared"] = "per_role"
 
     def __post_init__(self) -> None:
@@ -76,29 +68,19 @@ class ToyConfig:
             raise ValueError(f"ToyConfig.lr must be a positive number, got {self.lr}")
         if not 0 <= self.clip < 1:
             raise ValueError(f"ToyConfig.clip must be in [0, 1), got {self.clip}")
-        if self.kl_coef < 0:
-            raise ValueError(f"ToyConfig.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_kind not in ("k1", "k2", "k3"):
-            raise ValueError(f"ToyConfig.kl_kind must be k1, k2 or k3, got {self.kl_kind!r}")
-        if self.gen_delay_s < 0:
-            raise ValueError(f"ToyConfig.gen_delay_s must be >= 0, got {self.gen_delay_s}")
-        if self.gen_delay_tail < 0:
-            raise ValueError(f"ToyConfig.gen_delay_tail must be >= 0, got {self.gen_delay_tail}")
-        if self.train_delay_s < 0:
-            raise ValueError(f"ToyConfig.train_delay_s must be >= 0, got {self.train_delay_s}")
-        if self.max_lag is not None and self.max_lag < 0:
-            raise ValueError(f"ToyConfig.max_lag must be None or >= 0, got {self.max_lag}")
-        if self.selection not in ("choose", "all"):
-            raise ValueError(f"ToyConfig.selection must be 'choose' or 'all', got {self.selection!r}")
-        if self.layout not in ("per_role", "shared"):
-            raise ValueError(f"ToyConfig.layout must be 'per_role' or 'shared', got {self.layout!r}")
-        if self.backend not in ("asyncio", "monarch"):
-            raise ValueError(f"ToyConfig.backend must be 'asyncio' or 'monarch', got {self.backend!r}")
+        for name in ("kl_coef", "gen_delay_s", "gen_delay_tail", "train_delay_s", "max_ahead"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ToyConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name, allowed in (("kl_kind", ("k1", "k2", "k3")), ("adv_scale", ("std", "none")),
+                              ("mode", ("async", "sync")), ("selection", ("choose", "all")),
+                              ("backend", ("asyncio", "monarch")), ("layout", ("per_role", "shared"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ToyConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     @classmethod
     def smoke(cls) -> ToyConfig:
-        """Small enough for CI (a few seconds), large enough to learn visibly."""
-        # gen_delay_s keeps the notebook's live run going for a few seconds even on fast CPUs.
+        """Small enough for CI (a few seconds), large enough to learn visibly; gen_delay_s keeps
+        the notebook's live run going for a few seconds even on fast CPUs."""
         return cls(steps=100, gen_delay_s=0.03)
 
     @property
@@ -123,21 +105,25 @@ class Group:
     source: str  # which generator
     created: float  # wall-clock time.time() when sent
     rewards: torch.Tensor | None = None  # [G] filled by the scorer
+    advantages: torch.Tensor | None = None  # [G] filled by the scorer (grpo.group_advantages)
     ref_logprobs: torch.Tensor | None = None  # [G] filled by the reference
 
 
 def build_policy(cfg: ToyConfig, seed: int | None = None) -> nn.Module:
     """The MLP policy; with ``seed``, its initial weights are drawn from that seed only (the
     process's global random state is left as it was)."""
-    if seed is None:
-        return _mlp(cfg)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return _mlp(cfg)
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(cfg.obs_dim, cfg.hidden), nn.Tanh(),
+                             nn.Linear(cfg.hidden, cfg.arms))
 
 
-def _mlp(cfg: ToyConfig) -> nn.Module:
-    return nn.Sequential(nn.Linear(cfg.obs_dim, cfg.hidden), nn.Tanh(), nn.Linear(cfg.hidden, cfg.arms))
+def decode_time(cfg: ToyConfig, z: float) -> float:
+    """A group's simulated decode time for a standard normal draw ``z``: ``gen_delay_s`` times a
+    log-normal factor of mean 1 whose sigma is ``gen_delay_tail``."""
+    sigma = cfg.gen_delay_tail
+    return cfg.gen_delay_s * math.exp(sigma * z - sigma * sigma / 2)
 
 
 def build_teacher(cfg: ToyConfig) -> torch.Tensor:

@@ -1,20 +1,6 @@
 """The trainer's HTTP control plane to one vLLM server (dev-mode routes, loopback only).
-
-vLLM's trainer engines drive a server through four calls (its ``VLLMWeightSyncClient``
-protocol, as in vLLM's own ``HTTPVLLMWeightSyncClient``); this client implements them and adds
-the routes around them::
-
-    WeightSyncer ──► VLLMControlClient ──HTTP──► /pause?mode=…  /resume
-                          │                       /init_weight_transfer_engine, /start_…,
-                          │                       /update_weights, /finish_weight_update
-                          └──────────────────────► /collective_rpc  /weight_info  /v1/…
-                                                   /update_weight_version
-
-Every call raises on a non-2xx answer or a dead server (``httpx`` raises ``ConnectError`` at
-once when nothing listens), so a failed sync can never go unnoticed. Connections are kept
-alive (:func:`grpo_nb.serving.net.http`), and every call is counted in
-:attr:`VLLMControlClient.round_trips`.
-"""
+Every call raises :class:`WeightSyncError` on a non-2xx answer or a dead server, so a failed
+sync never goes unnoticed, and is counted in :attr:`VLLMControlClient.round_trips`."""
 
 from __future__ import annotations
 
@@ -27,33 +13,25 @@ import httpx
 
 from grpo_nb.serving.net import http
 
+PROMPT_LOGPROBS_TIMEOUT_S = 120.0
+
 
 class WeightSyncError(RuntimeError):
     """A weight sync (or its verification) failed; the trainer's version must not advance."""
 
 
-def policy_salt(version: int) -> str:
-    """The ``cache_salt`` of requests sampled under weight ``version``: vLLM reuses cached
-    prompt KV only between requests with the same salt, so no request of a newer policy starts
-    from KV that older weights computed (a sync with ``pause_mode="none"`` leaves that KV cached
-    while requests are in flight)."""
-    return f"policy-v{version}"
-
-
 class VLLMControlClient:
-    """vLLM's weight-sync client protocol over HTTP, plus pause / resume / RPC / version.
-
-    It implements vLLM's ``VLLMWeightSyncClient`` protocol (structural: the four methods
-    below) without importing vLLM, so the trainer side also loads where vLLM is absent.
-    """
+    """vLLM's ``VLLMWeightSyncClient`` protocol over HTTP (structural: no vLLM import), plus
+    pause / resume, ``/collective_rpc`` into our worker extension, the version, log-probs."""
 
     def __init__(self, base_url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        # A keyed server answers 401 on /v1 routes without it (verify() uses them).
+        # A keyed server answers 401 on /v1 routes without it.
         self.api_key = api_key or os.environ.get("VLLM_API_KEY") or None
         self.round_trips = 0
         self._count_lock = threading.Lock()
+        self._model: str | None = None
 
     def __repr__(self) -> str:  # never show the key
         return f"VLLMControlClient({self.base_url!r}, timeout={self.timeout})"
@@ -76,9 +54,6 @@ class VLLMControlClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._request("POST", "finish_weight_update", json=body)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._request("POST", "shutdown_weight_transfer_engine")
 
     # ── the routes around them ──
 
@@ -110,14 +85,9 @@ class VLLMControlClient:
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[Any]:
-        """Call a worker method (ours: worker.py); ``timeout`` bounds this HTTP call only.
-
-        vLLM's own RPC timeout (a ``timeout`` in the body) is never used: when it fires, the
-        worker's late reply stays queued in the engine and every later RPC receives its
-        predecessor's reply (``MultiprocExecutor.collective_rpc`` dequeues one reply per
-        call). A call the client gave up on completes inside the server instead, and the
-        replies stay in step.
-        """
+        """Call a worker method (worker.py); ``timeout`` bounds this HTTP call only. vLLM's
+        own RPC timeout is never sent: when it fires, the late reply stays queued and every
+        later RPC receives its predecessor's (``MultiprocExecutor`` dequeues one per call)."""
         body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}}
         response = self._request("POST", "collective_rpc", json=body, timeout=timeout)
         return response.json().get("results", []) if response.content else []
@@ -151,7 +121,25 @@ class VLLMControlClient:
         self._request("POST", "update_weight_version", json={"new_version": version})
 
     def model_name(self) -> str:
-        return self._request("GET", "v1/models").json()["data"][0]["id"]
+        if self._model is None:
+            self._model = self._request("GET", "v1/models").json()["data"][0]["id"]
+        return self._model
 
-    def completions(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        return self._request("POST", "v1/completions", json=body, timeout=timeout).json()
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The served model's log-prob of each token of each sequence after its first, given
+        the tokens before it (``len(seq) - 1`` values; vLLM scores prompt tokens on raw
+        logits: temperature 1). Each request waits up to ``PROMPT_LOGPROBS_TIMEOUT_S``: a
+        server's first request with log-probs compiles its sampler's kernels."""
+        rows = []
+        for seq in sequences:
+            body = {"model": self.model_name(), "prompt": list(seq), "max_tokens": 1,
+                    "temperature": 0.0, "prompt_logprobs": 0}
+            reply = self._request("POST", "v1/completions", json=body,
+                                  timeout=max(self.timeout, PROMPT_LOGPROBS_TIMEOUT_S)).json()
+            entries = reply["choices"][0].get("prompt_logprobs") or []
+            if len(entries) != len(seq):
+                raise WeightSyncError(f"server returned {len(entries)} prompt log-probs for "
+                                      f"{len(seq)} tokens")
+            rows.append([float(entries[i][str(tok)]["logprob"])
+                         for i, tok in enumerate(seq) if i > 0])
+        return rows

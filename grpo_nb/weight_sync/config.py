@@ -1,10 +1,10 @@
-"""What a weight sync is configured with (:class:`WeightSyncConfig`) and what it reports
-(:class:`SyncResult`); the flow itself is :mod:`grpo_nb.weight_sync.syncer`."""
+"""What a weight sync is configured with (:class:`WeightSyncConfig`) and what one reports
+(:class:`SyncResult`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -16,40 +16,23 @@ SEND_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass
 class WeightSyncConfig:
-    """How weights travel to the server.
+    """How weights travel to the server (:mod:`grpo_nb.weight_sync.syncer` runs a sync)."""
 
-    Args:
-        transport: ``gloo`` (CPU, our engine), ``reload`` (CPU, from disk), ``nccl`` (GPU,
-            one per side) or ``ipc`` (GPU shared by trainer and server).
-        pause_mode: what happens to in-flight requests during a sync (see
-            :mod:`grpo_nb.weight_sync.syncer`).
-        verify: after each sync, check that the server received exactly the trainer's weights
-            (per-tensor digests, :mod:`grpo_nb.weight_sync.verify`) and serves the version.
-        send_dtype: the dtype tensors travel (and are checked) in; ``None``: the server's own
-            dtype, asked once. An fp32 trainer model syncs to a bf16 server as bf16.
-        timeout_s: bounds every HTTP call, the process group, and each transfer as a whole;
-            a stalled or dead peer fails the sync after at most this long.
-        atol: the tolerance the log-prob probe (:meth:`WeightSyncer.weight_gap`, a teaching
-            demonstration) is read against; ``verify`` is exact and does not use it.
-        probe_batch / probe_len: size of that probe.
-    """
-
-    transport: Transport = "gloo"
-    pause_mode: PauseMode = "keep"
-    verify: bool = True
-    send_dtype: str | None = None
-    timeout_s: float = 20.0
-    atol: float = 1e-3
-    probe_batch: int = 4
-    probe_len: int = 32
+    transport: Transport = "gloo"  # CPU: gloo (our engine), reload (from disk); GPU: nccl, ipc
+    pause_mode: PauseMode = "keep"  # what happens to requests in flight during a sync
+    verify: bool = True  # check that the server received exactly the trainer's weights
+    send_dtype: str | None = None  # what tensors travel (and are checked) in; None: the server's
+    timeout_s: float = 20.0  # bounds every HTTP call, the group, and each transfer as a whole
+    atol: float = 1e-3  # what the teaching probe (weight_gap) is read against; verify is exact
+    probe_batch: int = 4  # the probe's number of sequences
+    probe_len: int = 32  # and their length
 
     def __post_init__(self) -> None:
-        if self.transport not in ("gloo", "reload", "nccl", "ipc"):
-            raise ValueError(f"WeightSyncConfig.transport={self.transport!r}: "
-                             "use 'gloo', 'reload', 'nccl' or 'ipc'")
-        if self.pause_mode not in ("keep", "wait", "abort", "none"):
-            raise ValueError(f"WeightSyncConfig.pause_mode={self.pause_mode!r}: "
-                             "use 'keep', 'wait', 'abort' or 'none'")
+        for name, allowed in (("transport", get_args(Transport)),
+                              ("pause_mode", get_args(PauseMode))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"WeightSyncConfig.{name}={getattr(self, name)!r}: use one of "
+                                 f"{', '.join(map(repr, allowed))}")
         if self.pause_mode == "none" and self.transport not in ("gloo", "reload"):
             raise ValueError(f"WeightSyncConfig.pause_mode='none' needs a CPU transport "
                              f"('gloo' or 'reload'), not {self.transport!r}: only vLLM's CPU "
@@ -59,10 +42,6 @@ class WeightSyncConfig:
                              f"server's dtype) or one of {', '.join(SEND_DTYPES)}")
         if self.timeout_s <= 0:
             raise ValueError(f"WeightSyncConfig.timeout_s={self.timeout_s}: must be > 0")
-
-    @classmethod
-    def smoke(cls) -> WeightSyncConfig:
-        return cls()
 
     def server_settings(self) -> dict[str, Any]:
         """The ``serving.ServerConfig`` fields the server needs for this transport."""
@@ -76,24 +55,17 @@ class WeightSyncConfig:
 
 @dataclass
 class SyncResult:
-    """What one sync did: the version now served, its duration and size, and the check.
+    """What one sync did. ``phases``: milliseconds per step (``reset``, ``pause``,
+    ``transfer`` on the trainer, ``load`` on the server, ``cache``, ``version``, ``resume``,
+    ``total``; gloo adds the server's ``start``, ``update`` = ``wait`` on the wire + ``load``,
+    ``finish``, and ``rpc``, its one update call)."""
 
-    ``bytes`` counts what travelled (every parameter in the send dtype). ``phases`` holds
-    milliseconds per phase: ``reset`` (after a failed sync: the server's update closed),
-    ``pause``, ``transfer`` (trainer side: gloo sends / safetensors write), ``load`` (server
-    side: ``load_weights`` / the reload RPC), ``finish`` (server side: layer processing after
-    the last tensor; gloo), ``cache`` (``none``, unsalted: the prefix-cache reset),
-    ``version``, ``resume`` and ``total``; gloo adds the server's ``start``, ``wait`` (blocked
-    on the wire) and ``rpc`` (the update call seen by the trainer). ``round_trips`` counts the
-    HTTP calls the sync made (verification not included).
-    """
-
-    version: int
+    version: int  # now served
     ms: float
-    bytes: int
+    bytes: int  # every parameter in the send dtype
     verified: bool | None  # None: not checked
     phases: dict[str, float] = field(default_factory=dict)
-    round_trips: int = 0
+    round_trips: int = 0  # HTTP calls of the sync (verification not included)
 
 
 def model_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:

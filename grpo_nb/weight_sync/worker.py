@@ -1,22 +1,10 @@
-"""Code that runs *inside* the vLLM worker, loaded with ``--worker-extension-cls``.
+"""Code that runs inside the vLLM worker, loaded with ``--worker-extension-cls``.
 
-vLLM imports the class named by ``--worker-extension-cls`` in its worker process and mixes it
-into the worker class, so its methods become callable through ``POST /collective_rpc``::
-
-    server start ─► worker imports grpo_nb.weight_sync.worker
-                        ├─ registers the gloo engine (gloo_engine.register())
-                        │     so --weight-transfer-config '{"backend": "gloo"}' resolves
-                        └─ GrpoWorkerExtension mixed into the worker class
-    trainer ──POST /collective_rpc {"method": "grpo_transfer_backends"}──► ["gloo", "nccl", …]
-    trainer ──POST /collective_rpc {"method": "grpo_gloo_sync", …}──► start + receive + finish
-    trainer ──POST /collective_rpc {"method": "grpo_begin_update", "record": true}──► arm
-            … any transport: the model's load_weights digests every tensor it receives …
-    trainer ──POST /collective_rpc {"method": "grpo_update_record"}──► [[name, digest], …]
-    trainer ──POST /collective_rpc {"method": "grpo_abort_update"}──► close a half-done update
-
-The import has to happen in the worker process: vLLM's engine registry is per process, and
-the worker creates its engine right after loading the model. ``/collective_rpc`` runs in the
-engine core between two engine steps: it never queues behind generation.
+vLLM mixes :class:`GrpoWorkerExtension` into its worker class, so each method is callable
+through ``POST /collective_rpc``, which the engine core runs between two engine steps (never
+queued behind generation). Importing this module registers the worker side of the gloo engine
+(:class:`GlooWeightTransferEngine`), so ``--weight-transfer-config '{"backend": "gloo"}'``
+resolves in the worker process (vLLM's registry is per process).
 """
 
 from __future__ import annotations
@@ -25,21 +13,148 @@ import contextlib
 import time
 from typing import Any
 
-from grpo_nb.weight_sync.gloo_engine import (
-    GlooWeightTransferEngine,
-    refresh_tied_heads,
-    register,
-)
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from grpo_nb.weight_sync import gloo_engine as gloo
 from grpo_nb.weight_sync.verify import digest
 
-register()
+ALIGN = 16
+
+
+def plan_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in the receive buffer (16-byte aligned), and its size."""
+    offsets, total = [], 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        offsets.append(total)
+        total += torch.Size(shape).numel() * dtype.itemsize
+        total = (total + ALIGN - 1) // ALIGN * ALIGN  # each slot viewed as its dtype, no copy
+    return offsets, total
+
+
+def layer_key(name: str) -> str:
+    """``model.layers.3.mlp.up_proj.weight`` → ``model.layers.3``: tensors loaded together
+    (vLLM processes a layer once all its tensors are in)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return name
+
+
+def refresh_tied_heads(model: torch.nn.Module) -> int:
+    """Rebuild the kernel state of every output head tied to the input embedding (how many).
+
+    vLLM's layerwise reload processes a layer when its own weights arrive; a tied ``lm_head``
+    gets none (the shared tensor arrives as ``embed_tokens.weight``), so its CPU kernel keeps
+    its packed copy of the weights the server started with unless rebuilt here.
+    """
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+
+    inputs = {id(m.weight) for m in model.modules()
+              if isinstance(m, vpe.VocabParallelEmbedding)
+              and not isinstance(m, vpe.ParallelLMHead)}
+    heads = [m for m in model.modules()
+             if isinstance(m, vpe.ParallelLMHead) and id(m.weight) in inputs]
+    for head in heads:
+        if not isinstance(head.quant_method, vpe.UnquantizedEmbeddingMethod):
+            # Re-processing would quantize twice; stale logits served silently would be worse.
+            raise RuntimeError(f"a tied lm_head with {type(head.quant_method).__name__} cannot "
+                               "be rebuilt after a weight update")
+        head.quant_method.process_weights_after_loading(head)
+    return len(heads)
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[gloo.GlooInitInfo, gloo.GlooUpdateInfo]):
+    """Worker-side engine: receives every tensor into a persistent buffer, loads per layer."""
+
+    init_info_cls = gloo.GlooInitInfo
+    update_info_cls = gloo.GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:  # noqa: ANN001 (vLLM's)
+        super().__init__(config, vllm_config, device, model)
+        self.group: Any = None
+        self.buffer: torch.Tensor | None = None  # kept for the server's lifetime
+        self.last_timings: dict[str, float] = {}
+
+    def init_transfer_engine(self, init_info: gloo.GlooInitInfo) -> None:
+        self.shutdown()  # a trainer that reconnects replaces its previous group
+        rank = self.parallel_config.rank + init_info.rank_offset
+        self.group = gloo.open_group(rank, init_info.world_size, init_info.timeout_s,
+                                port=init_info.master_port, host=init_info.master_address)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_heads(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which fails on a CPU-only
+        # worker; every receive has been waited on when receive_weights returns.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def _slots(self, info: gloo.GlooUpdateInfo) -> list[torch.Tensor]:
+        dtypes = [getattr(torch, name) for name in info.dtype_names]
+        offsets, total = plan_layout(dtypes, info.shapes)
+        if self.buffer is None or self.buffer.numel() != total:
+            self.buffer = torch.empty(total, dtype=torch.uint8)
+        return [self.buffer[o:o + torch.Size(s).numel() * d.itemsize]
+                for o, s, d in zip(offsets, info.shapes, dtypes, strict=True)]
+
+    def receive_weights(self, update_info: gloo.GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialised: call "
+                               "/init_weight_transfer_engine first")
+        slots = self._slots(update_info)
+        # Post every receive now: gloo's threads fill the slots while this thread loads.
+        works = [self.group.broadcast(slot, 0) for slot in slots]
+        status = torch.zeros(1, dtype=torch.int32)
+        status_work = self.group.broadcast(status, 0)
+        wait_s = load_s = 0.0
+        batch: list[tuple[str, torch.Tensor]] = []
+        entries = zip(update_info.names, update_info.dtype_names, update_info.shapes,
+                      slots, works, strict=True)
+        for i, (name, dtype_name, shape, slot, work) in enumerate(entries):
+            t = time.perf_counter()
+            work.wait()
+            wait_s += time.perf_counter() - t
+            batch.append((name, slot.view(getattr(torch, dtype_name)).view(shape)))
+            last = i + 1 == len(slots)
+            if last or layer_key(update_info.names[i + 1]) != layer_key(name):
+                t = time.perf_counter()
+                self.model.load_weights(batch)
+                load_s += time.perf_counter() - t
+                batch = []
+        status_work.wait()
+        if int(status.item()) != gloo.STATUS_OK:
+            raise RuntimeError("the trainer aborted this weight transfer midway (its error is "
+                               "raised there); the layers loaded so far hold partly new weights")
+        self.last_timings = {"wait_ms": wait_s * 1e3, "load_ms": load_s * 1e3}
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            gloo.close_group(group)
+
+
+if gloo.BACKEND not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine(gloo.BACKEND, GlooWeightTransferEngine)
 
 
 class _Recorder:
-    """Wraps the model's ``load_weights`` (every transport's last step) once; while armed,
-    records ``[name, digest]`` of each tensor it receives, before the model consumes it (a
-    packed NCCL buffer is reused right after). An update that arrives unarmed clears the
-    record, so a later read never reports an older update as the last one."""
+    """Wraps the model's ``load_weights`` (every transport's last step); while armed, records
+    ``[name, digest]`` of each tensor before the model consumes it (a packed NCCL buffer is
+    reused right after). An unarmed update clears the record: a later read never reports an
+    older update as the last one."""
 
     def __init__(self, model: Any) -> None:
         self.armed = False
@@ -68,8 +183,8 @@ class _Recorder:
 
 
 def _recorder(worker: Any) -> _Recorder:
-    """The worker's recorder, installed on first use (a plain function: every method of the
-    extension class becomes callable over ``/collective_rpc``)."""
+    """The worker's recorder, installed on first use (not a method: every method of the
+    extension becomes an RPC)."""
     recorder = getattr(worker, "_grpo_weight_recorder", None)
     if recorder is None:
         recorder = worker._grpo_weight_recorder = _Recorder(worker.model_runner.get_model())
@@ -81,8 +196,6 @@ class GrpoWorkerExtension:
 
     def grpo_transfer_backends(self) -> list[str]:
         """The weight-transfer engines this worker can create (proves the extension loaded)."""
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
         return sorted(WeightTransferEngineFactory._registry)
 
     def grpo_meta_tensors(self) -> list[str]:
@@ -93,8 +206,7 @@ class GrpoWorkerExtension:
 
     def grpo_reload_weights(self, weights_path: str) -> None:
         """vLLM's ``reload_weights`` from a safetensors folder, then the tied output heads
-        rebuilt: the reload is layerwise too, and leaves a tied head computing logits from
-        the weights the server started with (:func:`refresh_tied_heads`)."""
+        rebuilt (the reload is layerwise too: :func:`refresh_tied_heads`)."""
         worker: Any = self
         worker.reload_weights(weights_path=weights_path)
         refresh_tied_heads(worker.model_runner.get_model())
@@ -114,15 +226,10 @@ class GrpoWorkerExtension:
         return _recorder(self).read()
 
     def grpo_abort_update(self) -> dict[str, bool]:
-        """Return the worker to a clean state after a failed or stalled sync: close a weight
-        update left open (vLLM refuses every later ``start_weight_update`` while one is),
-        put back any layer a failed reload left mid-load (old or partly new weights, never
-        the meta device), and leave the transfer group (the next sync opens a fresh one)."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            LAYERWISE_INFO,
-            finalize_layerwise_reload,
-        )
+        """A clean worker after a failed or stalled sync: close a weight update left open, put
+        back any layer a failed reload left mid-load (never on the meta device), and leave
+        the transfer group (the next sync opens a fresh one)."""
+        from vllm.model_executor.model_loader.reload import layerwise
 
         worker: Any = self
         done = {"finished": False, "reloaded": False}
@@ -130,9 +237,10 @@ class GrpoWorkerExtension:
             worker.finish_weight_update()
             done["finished"] = True
         model = worker.model_runner.get_model()
-        if any(LAYERWISE_INFO[m].can_load() for m in model.modules() if m in LAYERWISE_INFO):
+        info = layerwise.LAYERWISE_INFO
+        if any(info[m].can_load() for m in model.modules() if m in info):
             with set_current_vllm_config(worker.vllm_config):
-                finalize_layerwise_reload(model, worker.model_config)
+                layerwise.finalize_layerwise_reload(model, worker.model_config)
             done["reloaded"] = True
         if worker.weight_transfer_engine is not None:
             worker.weight_transfer_engine.shutdown()
@@ -140,14 +248,10 @@ class GrpoWorkerExtension:
 
     def grpo_gloo_sync(self, update_info: dict[str, Any],
                        record: bool = False) -> dict[str, float]:
-        """vLLM's start → update → finish as one RPC (one HTTP round trip instead of three);
-        ``record``: digest every tensor received (:meth:`grpo_begin_update`).
-
-        Returns the worker's timings in ms. If receiving fails, every layer is put back on
-        real tensors (old weights, or partly new ones) before the error propagates, so a
-        forward pass can never meet a layer left on the meta device; the trainer marks the
-        server dirty and keeps it paused until a full re-send succeeds.
-        """
+        """vLLM's start → update → finish as one RPC; ``record``: digest every tensor
+        received. Returns the worker's timings in ms. If receiving fails, every layer is put
+        back on real tensors before the error propagates (the trainer keeps the server paused
+        until a full re-send succeeds)."""
         worker: Any = self
         engine = worker.weight_transfer_engine
         if not isinstance(engine, GlooWeightTransferEngine) or engine.group is None:
@@ -160,8 +264,6 @@ class GrpoWorkerExtension:
         try:
             worker.update_weights(update_info)
         except BaseException:
-            from vllm.config import set_current_vllm_config
-
             with contextlib.suppress(Exception), set_current_vllm_config(worker.vllm_config):
                 engine.finish_weight_update()
             raise

@@ -1,32 +1,7 @@
-"""The LLM trainer's work, as a plain class: batches, the GRPO step, evaluation, checkpoints.
-
-The ring's Trainer actor owns one :class:`PolicyTrainer` and calls it from a worker thread
-(so the event loop keeps serving the generators while it computes)::
-
-    Group × prompts_per_step ──► make_batch ──► input_ids [B, P+T], mask, old/sampler
-                                                  logprobs, advantages   (pad_sequence)
-          ──► step(): num_iterations times (GRPO's μ): for each of grad_accum micro-batches:
-                  logits (autocast) ─► grpo.token_logprobs ─► grpo.policy_loss ─► backward
-                         └─► grpo.masked_entropy (no grad: a diagnostic)
-              clip_grad_norm_ ─► AdamW.step ─► metrics (of the last update)
-    load_policy(dir, device, dtype) ─► model (gradient checkpointing on GPU) + tokenizer
-    (held-out accuracy is sampled through the server: grpo_nb.llm.evaluate)
-    save(dir) / load(dir) ─► model (safetensors) + optimizer + step + version
-
-Mixed precision. The trainable model always holds float32 parameters (the *master* weights)
-and AdamW keeps float32 moments; ``serve_dtype`` (the server's dtype, ``placement.dtype_of``)
-only decides how the forward and backward compute: under ``bfloat16`` they run in
-``torch.autocast``, on CUDA and on the CPU alike (CPUs without AVX-512 BF16 / AMX run it more
-slowly). Weights become ``serve_dtype`` only on their way to the server (the weight syncer
-casts each tensor it sends). Why: at a Qwen-scale lr of 1e-6 an AdamW update is ~1e-6 while a
-bfloat16 step at |w| ≈ 0.02 is ~1e-4, so bf16 parameters would round almost every update back
-to the old value; the master accumulates them until the served bf16 value moves. Each step row
-says how many elements its last update changed: ``step_changed_frac`` (the master's — what
-training did) and ``sent_changed_frac`` (the same elements cast to ``serve_dtype`` — what a
-sync changes on the server; under bf16 at lr 1e-6 a small fraction per step, as expected).
-
-Everything here is synchronous torch code with no I/O besides checkpoints: it can be tested
-without a server.
+"""The LLM trainer's torch work, testable without a server: loading a policy, batching
+groups, the GRPO step, checkpoints. The model holds float32 master weights (at lr 1e-6 bf16
+weights would round most updates away); ``serve_dtype`` only decides how forward and backward
+compute (bf16 autocast), and weights take it only on their way to the server.
 """
 
 from __future__ import annotations
@@ -41,12 +16,12 @@ from torch.nn.utils.rnn import pad_sequence
 
 from grpo_nb import grpo
 from grpo_nb.llm.config import LLMConfig
-from grpo_nb.serving.rollouts import Group
+from grpo_nb.llm.data import Group, Rollout
 
 
 @dataclass
 class Batch:
-    """Right-padded tensors for a list of groups (``T`` = longest prompt + completion)."""
+    """Right-padded tensors for a list of groups (``L`` = longest prompt + completion)."""
 
     input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]
@@ -65,48 +40,42 @@ def _aligned(per_token: list[list[float]], prompt_lens: list[int], width: int) -
 
 
 def make_batch(groups: list[Group], pad_id: int) -> Batch:
-    """Stack groups into one padded batch (sequences are prompt + completion)."""
-    seqs, prompt_lens, samp, refs, adv = [], [], [], [], []
-    for r in (r for g in groups for r in g.rollouts):
-        seqs.append(torch.tensor(r.prompt_ids + r.completion_ids))
-        prompt_lens.append(len(r.prompt_ids))
-        samp.append(r.sampler_logprobs)
-        if r.ref_logprobs is not None:
-            refs.append(r.ref_logprobs)
-        adv.append(r.advantage)
+    """Stack groups into one right-padded batch (sequences are prompt + completion)."""
+    return _batch([r for g in groups for r in g.rollouts], pad_id)
+
+
+def _batch(rollouts: list[Rollout], pad_id: int) -> Batch:
+    seqs = [torch.tensor(r.prompt_ids + r.completion_ids) for r in rollouts]
+    prompt_lens = [len(r.prompt_ids) for r in rollouts]
+    refs = [r.ref_logprobs for r in rollouts if r.ref_logprobs is not None]
     ids = pad_sequence(seqs, batch_first=True, padding_value=pad_id)
     attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
     width = ids.shape[1] - 1
-    lengths = [len(s) for s in samp]
-    loss_mask = _aligned([[1.0] * n for n in lengths], prompt_lens, width)
-    return Batch(ids, attn, loss_mask, _aligned(samp, prompt_lens, width),
+    ones = [[1.0] * len(r.completion_ids) for r in rollouts]
+    return Batch(ids, attn, _aligned(ones, prompt_lens, width),
+                 _aligned([r.sampler_logprobs for r in rollouts], prompt_lens, width),
                  _aligned(refs, prompt_lens, width) if len(refs) == len(seqs) else None,
-                 torch.tensor(adv, dtype=torch.float32))
+                 torch.tensor([r.advantage for r in rollouts], dtype=torch.float32))
 
 
-def next_token_logits(model: Any, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, L-1, V]``: the logits at each position, which predict the token after it."""
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-
-
-def sequence_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      temperature: float) -> torch.Tensor:
-    """``[B, L-1]`` log-prob of each next token under ``model`` (gradients flow)."""
-    return grpo.token_logprobs(next_token_logits(model, input_ids, attention_mask),
-                               input_ids[:, 1:], temperature)
+@torch.no_grad()
+def completion_logprobs(model: Any, rollouts: list[Rollout], temperature: float = 1.0,
+                        chunk: int = 64) -> list[torch.Tensor]:
+    """Each rollout's completion-token log-probs under ``model`` (float32, on the CPU)."""
+    dev, out = next(model.parameters()).device, []
+    for start in range(0, len(rollouts), chunk):
+        part = rollouts[start:start + chunk]
+        b = _batch(part, pad_id=0)  # right padding cannot change earlier tokens' log-probs
+        lp = grpo.sequence_logprobs(model, b.input_ids.to(dev), b.attention_mask.to(dev),
+                                    temperature).float().cpu()
+        out += [lp[i][b.loss_mask[i] > 0] for i in range(len(part))]
+    return out
 
 
 def load_policy(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
                 *, trainable: bool = True) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from a folder or hub id on ``device``.
-
-    ``dtype`` is the compute dtype. A frozen model (the reference) is held in it and gets
-    ``requires_grad_(False)``; a trainable one is held in float32 whatever ``dtype`` says (its
-    master weights: :class:`PolicyTrainer` computes in ``dtype`` under autocast) and gets
-    gradient checkpointing on CUDA (activation memory of long completions). A tokenizer
-    without a pad token pads with end-of-sequence (pads are masked out of the loss).
-    """
+    """``(model, tokenizer)`` on ``device``. A frozen model (the reference) is held in
+    ``dtype``; a trainable one in float32 (the masters). A tokenizer without a pad token pads with end-of-sequence (pads are masked out)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     held = torch.float32 if trainable else getattr(torch, dtype)
@@ -115,26 +84,16 @@ def load_policy(model_dir: str | Path, device: str = "cpu", dtype: str = "float3
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if not trainable:
-        return model.eval().requires_grad_(False), tokenizer
-    if torch.device(device).type == "cuda":
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False  # a KV cache is useless with checkpointing in training
-    return model, tokenizer
+    return (model, tokenizer) if trainable else (model.eval().requires_grad_(False), tokenizer)
 
 
 CHANGE_SAMPLE = 1 << 24  # parameter elements compared per update (every one below this)
 
 
 class ChangeMeter:
-    """The fraction of parameter elements one optimiser update changed.
-
-    :meth:`before` keeps a copy of the elements it watches, :meth:`after` compares: exactly
-    (every element) for models of up to ``CHANGE_SAMPLE`` elements, else every k-th element
-    of each tensor (an estimate; the copy stays at ``CHANGE_SAMPLE`` elements).
-    ``after`` returns ``(changed, sent_changed)``: the second compares the elements cast to
-    ``send_dtype``, i.e. what the server's copy would see.
-    """
+    """The fraction of parameter elements one optimiser update changed, exactly up to
+    ``CHANGE_SAMPLE`` elements, else over every k-th element. :meth:`after` returns
+    ``(changed, sent_changed)``: the second as cast to ``send_dtype`` (what the server sees)."""
 
     def __init__(self, params: list[torch.Tensor], send_dtype: torch.dtype) -> None:
         self.params, self.send_dtype = params, send_dtype
@@ -160,12 +119,8 @@ class ChangeMeter:
 
 
 class PolicyTrainer:
-    """Model + AdamW + (optional) frozen reference; one GRPO step at a time.
-
-    The model's parameters are float32 (converted here if they are not: the master weights,
-    see the module docstring); ``serve_dtype`` is the server's dtype, in which forward and
-    backward compute (:meth:`autocast`) and in which a weight syncer sends them.
-    """
+    """Model (float32 masters) + AdamW; one GRPO step at a time, computing in the server's
+    dtype ``serve_dtype`` (:meth:`autocast`)."""
 
     def __init__(self, model: Any, tokenizer: Any, cfg: LLMConfig) -> None:
         from grpo_nb.llm.placement import dtype_of
@@ -180,6 +135,7 @@ class PolicyTrainer:
         self.changes = ChangeMeter(list(model.parameters()), self.serve_dtype)
         if next(model.parameters()).is_cuda and not model.is_gradient_checkpointing:
             model.gradient_checkpointing_enable()  # memory for long sequences on GPU
+            model.config.use_cache = False  # a KV cache is useless with checkpointing
         self.step_count = 0
         self.version = 0  # weight version the server last confirmed
         self.last_verified: int | None = None  # last version proven served (probe check)
@@ -191,29 +147,16 @@ class PolicyTrainer:
         return next(self.model.parameters()).device
 
     def autocast(self) -> Any:
-        """``with pt.autocast():`` a forward of the policy computes in ``serve_dtype``
-        (bf16 autocast; a no-op under float32). Use it for any forward meant to match the
-        server, e.g. a log-prob probe."""
+        """A forward under it computes in ``serve_dtype`` (bf16 autocast; no-op in float32)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16,
                               enabled=self.serve_dtype == torch.bfloat16)
 
     def step(self, groups: list[Group]) -> dict[str, Any]:
-        """``num_iterations`` optimiser updates on ``groups`` (each split into ``grad_accum``
-        micro-batches); the metrics are the last update's.
+        """``num_iterations`` optimiser updates on ``groups`` (``grad_accum`` micro-batches
+        each); returns the last update's metrics row.
 
-        A non-finite loss or gradient norm skips that update (no optimiser step) and ends the
-        step's updates. If it was the first, the step is not taken: the weights, hence what a
-        sync would push, stay as they were, ``step_count`` is unchanged, the row says
-        ``skipped`` with the reason and :attr:`skipped` counts it. Otherwise the step stands
-        with the updates made (the row's ``updates``).
-
-        What the row tells a practitioner, besides the loss's own metrics: ``entropy`` (nats,
-        token-mean over completion tokens of the policy's next-token distribution at
-        ``temperature``, from the last update's forward pass: falling towards 0 means the policy
-        stops exploring), ``truncated_frac`` (completions cut at ``max_tokens``, finish reason
-        ``"length"``: they score 0), ``zero_std_groups`` / ``zero_std_frac`` (groups whose
-        rewards are all equal: zero advantages, no gradient) and ``response_len`` (mean
-        completion length, tokens).
+        A non-finite loss or gradient norm ends the step's updates; if it hit the first, the
+        step is not taken (weights and ``step_count`` unchanged) and the row says ``skipped``.
         """
         cfg = self.cfg
         per_micro = max(1, len(groups) // cfg.grad_accum)
@@ -291,7 +234,7 @@ class PolicyTrainer:
         cfg, dev = self.cfg, self.device
         ids, attn, mask = b.input_ids.to(dev), b.attention_mask.to(dev), b.loss_mask.to(dev)
         with self.autocast():  # the backward follows the forward's dtypes
-            logits = next_token_logits(self.model, ids, attn)
+            logits = grpo.next_token_logits(self.model, ids, attn)
             logp = grpo.token_logprobs(logits, ids[:, 1:], cfg.temperature)
         # From the same logits, no gradient, float32 over the completion tokens only.
         entropy = grpo.masked_entropy(logits, mask, cfg.temperature)
@@ -312,8 +255,6 @@ class PolicyTrainer:
             dual_clip=cfg.dual_clip, ref_logprobs=ref,
             kl_coef=cfg.kl_coef if ref is not None else 0.0, **extra)
         return loss, {**metrics, "entropy": entropy}
-
-    # ── checkpoints (grpo_nb.llm.checkpoint: written aside, switched atomically) ──
 
     def save(self, folder: Path | str, extra: dict[str, Any] | None = None) -> Path:
         """Write model (HF format), optimizer and counters; ``folder`` then names them."""
