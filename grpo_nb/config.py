@@ -1,25 +1,19 @@
-"""Where the package keeps things, and whether it runs in smoke mode.
-
-Smoke mode is read here and nowhere else: every config dataclass offers a ``smoke()`` preset
-that :func:`preset` picks when ``GRPO_NB_SMOKE`` is set (CI runs every notebook's real code path
-at a small size). Folders: the cache (``GRPO_NB_CACHE``, default ``<repo>/.cache`` in a
-checkout, else ``~/.cache/grpo-nb``) and the runs (``GRPO_NB_RUNS``, default ``<repo>/runs``,
-else ``./runs``).
+"""Where the package keeps things (``GRPO_NB_CACHE``, ``GRPO_NB_RUNS``), and smoke mode
+(``GRPO_NB_SMOKE``: :func:`preset` picks each config's small ``smoke()`` preset).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
 def env_flag(name: str) -> bool:
-    """The boolean environment variable ``name`` (unset: False). A value that is neither
-    (a typo such as ``ture``) raises ``ValueError`` rather than run the other configuration."""
+    """The boolean environment variable ``name`` (unset: False; a typo raises)."""
     raw = os.environ.get(name, "").strip().lower()
     if raw in _TRUE:
         return True
@@ -33,12 +27,7 @@ def smoke_mode() -> bool:
     return env_flag("GRPO_NB_SMOKE")
 
 
-class _HasSmoke(Protocol):
-    @classmethod
-    def smoke(cls): ...
-
-
-C = TypeVar("C", bound=_HasSmoke)
+C = TypeVar("C")  # a config dataclass with a ``smoke()`` classmethod
 
 
 def preset(config_cls: type[C], smoke: bool | None = None) -> C:

@@ -1,17 +1,12 @@
-"""The GRPO objective: pure torch functions, no I/O, shared by the toy ring (``T = 1``) and
-the LLM trainer (``T`` completion tokens per sample).
-
-Conventions: ``B`` samples, ``T`` tokens per sample, ``V`` vocabulary size; groups are
-consecutive blocks of ``group_size`` samples of the same prompt. ``mask`` is ``[B, T]``; a
-masked-out position never contributes to the loss, its gradient or any metric. Everything is
-computed in float32. :func:`policy_loss` returns a loss to *minimise*: the negative clipped
-surrogate (minimising ``ratio * advantage`` itself pushes probability away from good answers).
+"""The GRPO objective as pure torch functions, shared by the toy ring (``T = 1``) and the LLM
+trainer: ``B`` samples (groups are consecutive blocks of ``group_size``), ``T`` tokens each,
+``V`` vocabulary; a masked-out position never reaches a loss, gradient or metric; float32.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -20,15 +15,13 @@ from torch.utils.checkpoint import checkpoint
 AdvScale = Literal["std", "none"]
 KLKind = Literal["k1", "k2", "k3"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-LOSS_AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+ADV_SCALES, KL_KINDS, LOSS_AGGS = get_args(AdvScale), get_args(KLKind), get_args(LossAgg)
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
     if group_size < 2:
-        # A group of one has no baseline but itself: its advantage would always be 0.
         raise ValueError(f"group_size must be >= 2 (got {group_size}): GRPO compares samples "
                          "of the same prompt with each other")
     if rewards.numel() % group_size != 0:
@@ -52,18 +45,11 @@ def zero_std_fraction(rewards: Tensor, group_size: int) -> float:
 def group_advantages(
     rewards: Tensor, group_size: int, *, scale: AdvScale = "std", eps: float = 1e-6
 ) -> Tensor:
-    """Group-relative advantages, one per sample of group ``g``::
-
-        scale="std":   A_i = (r_i - mean_g(r)) / (std_g(r) + eps)     (GRPO, DeepSeekMath)
-        scale="none":  A_i =  r_i - mean_g(r)                          (Dr. GRPO)
-
-    ``std_g`` is unbiased (``n - 1``), as in ``torch.std`` and TRL. Dividing by it scales a
-    nearly-solved (or nearly-failed) group up far more than a 50/50 one: the "difficulty bias"
-    that ``scale="none"`` removes. A group whose rewards are all equal gets exactly ``0``.
-    Returns float32 ``[B]``, detached.
+    """Detached float32 ``[B]``; ``A_i = (r_i - mean_g) / (std_g + eps)`` with ``scale="std"``
+    (GRPO; unbiased std, as TRL), ``r_i - mean_g`` with ``"none"`` (Dr. GRPO); a flat group gets 0.
     """
-    if scale not in ("std", "none"):
-        raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
+    if scale not in ADV_SCALES:
+        raise ValueError(f"scale must be one of {ADV_SCALES}, got {scale!r}")
     g = _groups(rewards, group_size)
     centred = g - g.mean(dim=1, keepdim=True)
     if scale == "std":
@@ -83,14 +69,9 @@ def _chunk_logprobs(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
 def token_logprobs(
     logits: Tensor, token_ids: Tensor, temperature: float = 1.0, *, chunk_size: int = 1024
 ) -> Tensor:
-    """Log-probabilities of ``token_ids [B, T]`` under ``softmax(logits / temperature)``.
-
-    ``logits [B, T, V]`` must already be aligned with ``token_ids`` (for a causal LM,
-    ``logits[:, :-1]`` and ``ids[:, 1:]``). Rows go ``chunk_size`` at a time, each
-    checkpointed under autograd, so only one chunk's float32 copy of the logits exists at
-    once. ``temperature`` must be the sampler's if the result is compared with its log-probs.
-    Returns float32 ``[B, T]``; gradients flow to ``logits``.
-    """
+    """float32 ``[B, T]`` log-probs of ``token_ids`` under ``softmax(logits / temperature)``
+    (``logits [B, T, V]`` aligned with them); chunks are checkpointed so that only one chunk's
+    float32 copy of the logits exists at once."""
     if logits.dim() != 3 or token_ids.shape != logits.shape[:2]:
         raise ValueError(f"expected logits [B,T,V] and token_ids [B,T], got "
                          f"{tuple(logits.shape)} and {tuple(token_ids.shape)}")
@@ -121,16 +102,14 @@ def next_token_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> 
 
 def sequence_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor,
                       temperature: float) -> Tensor:
-    """``[B, L-1]`` log-prob of each next token of ``input_ids`` under ``model`` at
-    ``temperature`` (gradients flow): the one place a model's log-probs of sequences are taken."""
+    """``[B, L-1]`` log-prob of each next token of ``input_ids`` under ``model`` (with grad)."""
     return token_logprobs(next_token_logits(model, input_ids, attention_mask),
                           input_ids[:, 1:], temperature)
 
 
 def masked_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0, *,
                    chunk_size: int = 512) -> float:
-    """Token-mean entropy (nats) of ``softmax(logits / temperature)`` where ``mask`` is set
-    (0 when nothing is): a diagnostic, no gradient; only unmasked rows are computed."""
+    """Token-mean entropy (nats) of ``softmax(logits / temperature)`` where ``mask`` is set."""
     if logits.dim() != 3 or mask.shape != logits.shape[:2]:
         raise ValueError(f"expected logits [B,T,V] and mask [B,T], got {tuple(logits.shape)} "
                          f"and {tuple(mask.shape)}")
@@ -146,16 +125,8 @@ def masked_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0, *,
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> Tensor:
-    """Per-token estimates of ``KL(π_θ || π_ref)`` from tokens sampled by ``π_θ``, with
-    ``log κ = log π_ref(y) - log π_θ(y)`` (Schulman, "Approximating KL divergence")::
-
-        k1 = -log κ            unbiased, high variance, can be negative
-        k2 = ½ (log κ)²        biased, low variance, ≥ 0
-        k3 = κ - 1 - log κ     unbiased, low variance, ≥ 0 (GRPO / DeepSeekMath)
-
-    As a loss (gradient through ``log π_θ`` only), their expected gradients are: ``k1`` 0,
-    ``k2`` ∇ KL(π_θ || π_ref), ``k3`` ∇ KL(π_ref || π_θ) (the reverse KL). Returns float32.
-    """
+    """Per-token estimates of ``KL(π_θ || π_ref)`` (Schulman), ``log κ = log π_ref - log π_θ``:
+    ``k1 = -log κ``, ``k2 = ½ (log κ)²``, ``k3 = κ - 1 - log κ`` (GRPO)."""
     if kind not in KL_KINDS:
         raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
     if logprobs.shape != ref_logprobs.shape:
@@ -172,16 +143,11 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> T
 def aggregate(
     per_token: Tensor, mask: Tensor, loss_agg: LossAgg = "token-mean", max_tokens: int | None = None
 ) -> Tensor:
-    """Reduce a per-token ``x [B, T]`` to a scalar, ignoring masked positions
-    (``L_b`` = unmasked length of sequence ``b``; an empty batch gives 0)::
+    """A per-token ``x [B, T]`` reduced over unmasked positions (``L_b``: row ``b``'s length)::
 
         token-mean:               Σ_b Σ_t m x / Σ_b L_b
         seq-mean-token-mean:      mean over {b : L_b > 0} of (Σ_t m x / L_b)
-        seq-mean-token-sum-norm:  Σ_b Σ_t m x / (B · max_tokens)     (Dr. GRPO)
-
-    ``seq-mean-token-mean`` weighs each token of a long answer less (the length bias Dr. GRPO
-    points out). ``max_tokens`` must be the sampler's fixed maximum, not the padded width
-    (which changes with ``grad_accum``).
+        seq-mean-token-sum-norm:  Σ_b Σ_t m x / (B · max_tokens)     (Dr. GRPO: the sampler's max)
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
@@ -222,21 +188,15 @@ def policy_loss(
     tis_cap: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The GRPO loss (to minimise) and its diagnostics. Per token, with ``r = exp(logp - old)``
-    and ``A`` the sequence's advantage (``[B]`` or ``[B, T]``)::
+    """The GRPO loss to minimise (gradients through ``logprobs`` only) and its metrics; per
+    token, with ``r = exp(logp - old)`` and ``A`` the advantage (``[B]`` or ``[B, T]``)::
 
         surrogate = min(r · A, clip(r, 1 - clip_low, 1 + clip_high) · A)      PPO-clip
         surrogate = max(surrogate, dual_clip · A)    where A < 0              dual-clip (optional)
         ℓ         = -w · surrogate + kl_coef · KL_kind(logp, ref)
         loss      = aggregate(ℓ, mask, loss_agg, max_tokens)
 
-    ``clip_high > clip_low`` is DAPO's clip-higher. For ``A < 0`` and ``r > 1 + clip_high`` the
-    ``min`` keeps ``r · A`` unbounded; ``dual_clip = c > 1`` caps it at ``c · |A|``.
-    Truncated importance sampling (with ``sampler_logprobs`` and ``tis_cap``): ``w =
-    min(exp(old - sampler), tis_cap)``, detached; else ``w = 1``. Gradients flow through
-    ``logprobs`` only. Metrics: ``loss``, ``pg_loss``, ``kl``, ``clip_frac_low`` /
-    ``clip_frac_high`` (tokens whose gradient the clip zeroes), ``ratio_mean`` / ``_max`` /
-    ``_min``, ``tis_weight_mean``, ``tis_frac_capped``, ``dual_clip_frac``.
+    ``w = min(exp(old - sampler), tis_cap)`` (detached) with truncated importance sampling, else 1.
     """
     shape = logprobs.shape
     if logprobs.dim() != 2:

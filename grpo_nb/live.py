@@ -1,6 +1,5 @@
-"""Figures of a ring run from its metric rows: redrawn live in a notebook, saved as PNG, or
-re-plotted from ``metrics.jsonl`` exactly as they looked live. The panel helpers take an
-``Axes`` and plain rows, so the LLM dashboard (:mod:`grpo_nb.llm.dashboard`) uses them too.
+"""Figures of a ring run from its metric rows: redrawn live, saved as PNG, or re-plotted from
+``metrics.jsonl``; the panel helpers (an ``Axes`` and rows) serve the LLM dashboard too.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ def plot_staleness(ax: Axes, values: Iterable[int], *, title: str = "staleness o
 
 def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
                   title: str = "who was busy when") -> None:
-    """Gantt chart of ``busy`` rows (``actor``, ``label``, ``start``, ``end``), one lane per
-    actor; ``window_s`` keeps only the last seconds."""
+    """Gantt chart of ``busy`` rows, one lane per actor; ``window_s``: only the last seconds."""
     rows = list(busy_rows)
     if window_s is not None and rows:
         t_end = max(r["end"] for r in rows)
@@ -102,8 +100,7 @@ def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
 
 
 def clear_artists(ax: Axes) -> None:
-    """Remove what was plotted on ``ax`` but keep its ticks (``ax.cla()`` rebuilds them, most
-    of the cost of a redraw)."""
+    """Remove what was plotted on ``ax`` but keep its ticks (cheaper than ``ax.cla()``)."""
     for artist in [*ax.lines, *ax.patches, *ax.collections, *ax.texts, *ax.images]:
         artist.remove()
     if (legend := ax.get_legend()) is not None:
@@ -113,8 +110,7 @@ def clear_artists(ax: Axes) -> None:
 
 def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_reward: float | None = None,
                fig: Figure | None = None, window_s: float | None = 3.0) -> Figure:
-    """The toy ring's 2x2 figure: reward vs optimum (and the fraction of groups with no
-    signal), KL and policy entropy, staleness histogram, actor timeline."""
+    """The toy ring's 2x2 figure: reward, KL and entropy, staleness, actor timeline."""
     if fig is None:
         fig = plt.figure(figsize=(11, 6.5))
     if len(fig.axes) == 4:  # redraw into the same axes: much cheaper than a new layout
@@ -158,13 +154,8 @@ def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_rewa
 
 
 class LivePlot:
-    """A figure redrawn in place in a notebook while a ring runs: ``update(rec)`` after each
-    step, ``close(rec)`` for the final frame. Each frame is a PNG replacing the display
-    handle's image (JupyterLab and nbmake alike).
-
-    Drawing stops the actors' shared event loop, so redraws are spaced by ``every_s`` and by
-    three times the last redraw's cost.
-    """
+    """A figure redrawn in place while a ring runs: ``update(rec)`` after each step, ``close(rec)``
+    for the final frame; redraws are spaced, since drawing stops the actors' event loop."""
 
     def __init__(self, figure: Callable[..., Figure] = toy_figure, *, every_s: float = 0.3,
                  dpi: int = 72, fig_kw: dict[str, Any] | None = None, **figure_kw: Any) -> None:
@@ -215,7 +206,6 @@ def save_figure(rec: MetricsRecorder, path: Path | str, *,
 
 def load_run(run_dir: Path | str, *, figure: Callable[..., Figure] = toy_figure,
              **kwargs: Any) -> Figure:
-    """Re-plot a finished (or interrupted) run from its ``metrics.jsonl``: the toy ring's figure
-    by default, or ``figure=grpo_nb.llm.dashboard.llm_figure`` for an LLM run."""
+    """Re-plot a run from its ``metrics.jsonl`` (``figure=llm_figure`` for an LLM run)."""
     kwargs.setdefault("window_s", None)
     return figure(load_metrics(run_dir), **kwargs)

@@ -1,8 +1,5 @@
-"""A metrics recorder: rows in memory, mirrored line by line to ``runs/<name>/metrics.jsonl``.
-
-Every row has a ``kind`` (``"step"``, ``"busy"``, ``"eval"``, ``"sync"``, …) and a time ``t`` in
-seconds since the recorder started. Both rings write here; the plots only read rows, so a
-finished run re-plots from its JSONL file exactly as it looked live.
+"""A metrics recorder: rows (a ``kind`` and a time ``t`` in seconds) in memory, mirrored line by
+line to ``runs/<name>/metrics.jsonl``, from which a finished run re-plots exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsRecorder:
-    """Collects metric rows; writes each to ``run_dir/metrics.jsonl`` when a folder is given
-    (``None``: in memory only). ``append=True`` resumes a run's existing file."""
+    """Metric rows, each written to ``run_dir/metrics.jsonl`` if given; ``append``: resume."""
 
     def __init__(self, run_dir: Path | str | None = None, *, append: bool = False) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None

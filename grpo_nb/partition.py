@@ -1,10 +1,6 @@
-"""Who runs on which CPU core: the vLLM server tree on its own core(s), the trainer on the rest.
-
-On a CPU-only machine vLLM's engine spin-waits and its OpenMP threads want a whole core each;
-an unpinned trainer shares their core half the time and then neither runs at speed, so
-generation and training cannot overlap. By default (``GRPO_NB_SERVER_CPUS=auto``) a CPU-only
-machine with two or more cores gives the server its last core; ``off``, or a core list such as
-``2-3``, overrides that.
+"""Who runs on which CPU core: the vLLM server tree on its own core(s), the trainer on the rest
+(vLLM-CPU spin-waits, so sharing a core stalls both). By default a CPU-only machine with 2+
+cores gives the server its last core; ``GRPO_NB_SERVER_CPUS=off`` or a core list overrides it.
 """
 
 from __future__ import annotations
@@ -91,9 +87,8 @@ def check_spec(spec: CpuSpec, field: str) -> None:
 
 def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *,
          gpu: bool | None = None) -> Plan:
-    """The partition for a machine with ``cpus`` (a count or core ids; default: the cores this
-    process may use). ``server_cpus``: ``"auto"``, ``"off"`` or cores (default
-    ``$GRPO_NB_SERVER_CPUS``, else ``"auto"``). ``gpu`` default: is CUDA available."""
+    """The partition for ``cpus`` (a count or core ids; default: this process's cores);
+    ``server_cpus`` defaults to ``$GRPO_NB_SERVER_CPUS``, else ``"auto"``."""
     allowed = tuple(range(cpus)) if isinstance(cpus, int) else tuple(sorted(cpus or available_cpus()))
     spec = server_cpus if server_cpus is not None else (os.environ.get(ENV) or "auto")
     field = "server_cpus" if server_cpus is not None else ENV
@@ -101,7 +96,7 @@ def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *
     if spec == "off":
         return _off(f"{field}=off")
     if spec == "auto":
-        if gpu if gpu is not None else _gpu_available():
+        if gpu if gpu is not None else cuda_available():
             return _off("a GPU does the work; CPU cores are not partitioned")
         if len(allowed) < 2:
             return _off(f"only {len(allowed)} core")
@@ -117,8 +112,7 @@ def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *
 
 
 def beside(server_cpus: Sequence[int] | None) -> Plan:
-    """The trainer's side of a server tree already pinned to ``server_cpus``: the other cores
-    this process may use (no partition when the server is not pinned or leaves no core)."""
+    """The trainer's side of a server tree already pinned to ``server_cpus``: the other cores."""
     if not server_cpus:
         return _off("the server tree is not pinned")
     server = tuple(sorted(server_cpus))
@@ -133,7 +127,7 @@ def _split(allowed: tuple[int, ...], server: tuple[int, ...], why: str) -> Plan:
     return Plan(tuple(server), trainer, len(trainer), why)
 
 
-def _gpu_available() -> bool:
+def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
@@ -149,8 +143,7 @@ def _pin_all_threads(cpus: Sequence[int]) -> None:
 
 @contextlib.contextmanager
 def pinned(p: Plan) -> Iterator[Plan]:
-    """``with pinned(plan):`` every thread of this process runs on the trainer's cores with as
-    many torch threads, then as before (a notebook kernel lives on after the run)."""
+    """Every thread of this process on the trainer's cores inside the block, then as before."""
     if not p.active:
         yield p
         return
@@ -167,15 +160,13 @@ def pinned(p: Plan) -> Iterator[Plan]:
 
 
 def exec_pinned(cpus: Sequence[int], cmd: list[str]) -> list[str]:
-    """``cmd`` started through a trampoline that pins itself, then ``exec``\\ s ``cmd``: the
-    pid stays, and every process and thread vLLM creates inherits the mask. (Not
-    ``preexec_fn``: Python code between fork and exec can deadlock in a threaded parent.)"""
+    """``cmd`` behind a trampoline that pins itself, then execs it: the whole tree inherits the
+    mask (``preexec_fn`` can deadlock in a threaded parent)."""
     mask = ",".join(str(int(c)) for c in cpus)
     code = f"import os,sys;os.sched_setaffinity(0,{{{mask}}});os.execv(sys.argv[1],sys.argv[1:])"
     return [sys.executable, "-S", "-c", code, *cmd]
 
 
 def server_env(cpus: Sequence[int]) -> dict[str, str]:
-    """vLLM's CPU backend binds one OpenMP thread per listed core; without these it reserves
-    a core for its scheduler and picks the worker's cores itself, ignoring our mask."""
+    """vLLM-CPU's OpenMP binding to exactly ``cpus`` (else it picks cores itself)."""
     return {"VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

@@ -1,7 +1,6 @@
-"""The skeleton both GRPO rings are built on (:mod:`grpo_nb.toy.actors`, :mod:`grpo_nb.llm.actors`
-write only what their stages do to a message): a stage's background loop and crash report, the
-three pipeline positions with a bounded two-phase shutdown, each generator's share of the
-trainer's credits, and the :class:`Controller` that spawns, wires, watches and stops the stages.
+"""The skeleton both GRPO rings are built on: a stage's background loop and crash report, the
+three ring positions (with credits and a bounded two-phase shutdown), and the :class:`Controller`
+that spawns, wires, watches and stops the stages.
 """
 
 from __future__ import annotations
@@ -15,16 +14,14 @@ from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_nb.actors import Actor, Channel, backend, class_for, endpoint
+from grpo_nb.actors import Actor, Channel, backend, class_for, current_rank, endpoint
 from grpo_nb.metrics import MetricsRecorder
 
 
 @dataclass
 class Event:
-    """What actors tell the controller through the metrics port: ``kind`` is ``"busy"``
-    (``data``: rows ``(actor, label, start, end)``), ``"exited"``, ``"error"`` (``{"actor",
-    "error", "traceback"}``) or a ring's own row kind (``"step"``, ``"sync"`` …), logged as a row.
-    """
+    """What actors tell the controller: ``"busy"`` rows, ``"exited"``, ``"error"``, or a ring's own
+    row kind (``"step"``, ``"sync"`` …)."""
 
     kind: str
     data: Any
@@ -44,8 +41,7 @@ async def _awaited(fut: Any) -> Any:
 
 
 async def cancel_task(task: asyncio.Task | None, *, quiet: bool = False) -> None:
-    """Cancel ``task`` (if still running) and wait until it has finished; ``quiet=True`` also
-    swallows an ``Exception`` it raises while it unwinds."""
+    """Cancel ``task`` and wait for it; ``quiet`` also swallows an error raised while it unwinds."""
     if task is not None and not task.done():
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, *((Exception,) if quiet else ())):
@@ -74,14 +70,12 @@ class Busy:
 
 
 class Stage(Actor):
-    """Base of every ring actor: a background loop (:meth:`launch`) that reports a crash to the
-    controller through the metrics port (:meth:`attach`)."""
+    """Base of every ring actor: a background loop (:meth:`launch`) that reports its crash."""
 
     name = "stage"
     quiet_cancel = False  # True: an exception while the loop unwinds after cancel is ignored
 
     def attach(self, metrics: Any, name: str | None = None) -> None:
-        """Remember the controller's port and start batching busy intervals for it."""
         self.metrics = metrics
         if name is not None:
             self.name = name
@@ -96,10 +90,8 @@ class Stage(Actor):
     async def _guard(self, coro: Coroutine[Any, Any, None]) -> None:
         try:
             await coro
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:
-            self.busy.flush()
+        except Exception as err:  # not CancelledError: a cancel is how a loop ends
+            self.busy.flush()  # before "error": the controller stops listening then
             self.report("error", actor=self.name, error=repr(err), traceback=traceback.format_exc())
         finally:
             self.busy.flush()
@@ -112,9 +104,40 @@ class Stage(Actor):
 
 
 class Source(Stage):
-    """The ring's start (generators): its loop produces into ``out`` until the trainer drains it."""
+    """The ring's start (generators): produces into ``out`` as many groups as the trainer's
+    credits allow (its :meth:`progress`), until the trainer drains it."""
 
     out: Any
+
+    def open_credits(self, generators: int, metrics: Any) -> None:
+        """Attach as ``gen<rank>``, one of ``generators`` sharing the credits; none yet."""
+        self.rank, self.generators = current_rank().rank, generators
+        self.attach(metrics, f"gen{self.rank}")
+        self.trainer_version = self.allowed = self.made = 0
+        self.changed = asyncio.Event()
+
+    @endpoint
+    async def progress(self, version: int, issued: int) -> None:
+        """The trainer's weight version, and how many groups the whole ring may have issued."""
+        self.trainer_version = version
+        self.allowed = share(issued, self.rank, self.generators)
+        self.changed.set()
+
+    async def credit(self, running: set[asyncio.Task] | None = None, slots: int = 1) -> None:
+        """Wait for a credit and (with ``running``, its groups in flight) a free slot, then take
+        it; a group task that failed meanwhile raises its error here."""
+        running = set() if running is None else running
+        while self.made >= self.allowed or len(running) >= slots:
+            self.changed.clear()
+            waiter = asyncio.ensure_future(self.changed.wait())
+            try:
+                done, _ = await asyncio.wait([waiter, *running], return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when cancelled: no pending task left behind
+                waiter.cancel()
+            for task in done & running:
+                running.discard(task)
+                task.result()
+        self.made += 1
 
     @endpoint
     async def drain(self) -> None:
@@ -125,8 +148,8 @@ class Source(Stage):
 
 
 class Sink(Stage):
-    """A stage that receives through an inlet port; the ring's end (the trainer). Each wait on a
-    peer while the ring ends is bounded, so a dead or stuck peer ends the run with a named error."""
+    """A stage with an inlet; the ring's end (the trainer). Each wait while the ring ends is
+    bounded, so a dead or stuck peer ends the run with a named error."""
 
     finish_timeout_s = 60.0  # the bound; timeout_field names its setting in the error
     timeout_field = "finish_timeout_s"
@@ -140,7 +163,7 @@ class Sink(Stage):
         return self.port
 
     async def drain_sources(self, sources: Any, count: int) -> None:
-        """Call ``drain`` on the ``count`` sources at once; name those that do not answer in time."""
+        """Drain the ``count`` sources at once; name those that do not answer in time."""
         calls = {f"gen{r}": asyncio.ensure_future(
             _awaited(sources.slice(gpus=r).drain.call_one())) for r in range(count)}
         t0 = time.monotonic()
@@ -158,8 +181,7 @@ class Sink(Stage):
             task.result()  # a drain that failed: its error, as it is
 
     async def recv_within(self, waiting: str, pending: Awaitable[Any] | None = None) -> Any:
-        """The next message (or ``pending``, a receive under way) within ``finish_timeout_s``,
-        else a :class:`RingError` naming the silent peer and what was ``waiting``."""
+        """The next message (or ``pending``'s) within ``finish_timeout_s``, else a RingError."""
         t0 = time.monotonic()
         try:
             return await asyncio.wait_for(
@@ -180,8 +202,7 @@ class Sink(Stage):
 
 
 class Relay(Sink):
-    """A middle stage (scorer, reference): ``inlet → process(msg) → out``; it forwards one ``None``
-    once each of its ``upstream`` senders has sent one. ``label`` names its busy intervals."""
+    """A middle stage: ``inlet → process(msg) → out``, one ``None`` on once all ``upstream`` ended."""
 
     upstream = 1
     label = "work"
@@ -189,7 +210,6 @@ class Relay(Sink):
     @endpoint
     async def start(self, out: Any, finish_timeout_s: float | None = None,
                     timeout_field: str | None = None) -> None:
-        """Start relaying into ``out`` (the optional arguments override the class's bound)."""
         if finish_timeout_s is not None:
             self.finish_timeout_s = finish_timeout_s
         if timeout_field is not None:
@@ -199,8 +219,7 @@ class Relay(Sink):
     async def _relay(self, out: Any) -> None:
         ended = 0
         while ended < self.upstream:
-            # Once one sender has ended, the others are being drained too: one that stays
-            # silent is dead or stuck, and waiting for it for ever would hang the ring's end.
+            # once one sender has ended the others are being drained: a silent one is stuck
             msg = await (self.recv_within(f"{self.upstream - ended} more end(s) of stream "
                                           f"({ended} of {self.upstream} senders ended)")
                          if ended else self.inbox.recv())
@@ -215,13 +234,11 @@ class Relay(Sink):
         self.report("exited", actor=self.name)
 
     async def process(self, msg: Any) -> Any:
-        """What this stage does to one message; returns the message to forward."""
         raise NotImplementedError
 
 
 class Controller:
-    """Spawns and wires a ring's stages, relays their events, watches for trouble, stops every
-    mesh; on ``"asyncio"`` (this process) or ``"monarch"`` (real processes)."""
+    """Spawns, wires, watches and stops a ring's stages, on ``"asyncio"`` or ``"monarch"``."""
 
     def __init__(self, backend_name: str = "asyncio", recorder: MetricsRecorder | None = None,
                  *, stop_timeout_s: float = 15.0) -> None:
@@ -234,8 +251,7 @@ class Controller:
         self._procs: list[Any] = []
 
     def procs(self, n: int = 1, *, here: bool = False) -> Any:
-        """A proc mesh of ``n`` processes (labelled ``gpus``), or this process (``here``: on
-        Monarch that saves a process start)."""
+        """A proc mesh of ``n`` processes (labelled ``gpus``), or this process (``here``)."""
         procs = self.api.this_proc() if here else self.api.this_host().spawn_procs(
             per_host={"gpus": n})
         if not here:
@@ -243,15 +259,13 @@ class Controller:
         return procs
 
     def spawn(self, procs: Any, name: str, cls: type, *args: Any) -> Any:
-        """One ``cls`` actor per process of ``procs`` (``cls`` is a module-level actor class)."""
         mesh = procs.spawn(name, class_for(cls, self.api), *args)
         self._meshes.append(mesh)
         return mesh
 
     async def wire(self, generators: Any, scorer: Any, reference: Any, trainer: Any,
                    **relay_kwargs: Any) -> None:
-        """Start the stages back to front, so that every stage's output exists before anything
-        flows into it; ``relay_kwargs`` go to the relays' ``start``."""
+        """Start the stages back to front: every stage's output exists before anything flows in."""
         await trainer.start.call_one(generators)
         await reference.start.call_one(await trainer.inlet.call_one(), **relay_kwargs)
         await scorer.start.call_one(await reference.inlet.call_one(), **relay_kwargs)
@@ -262,12 +276,9 @@ class Controller:
                     watchers: Sequence[Awaitable[Any]] = (),
                     explain: Callable[[Event], Awaitable[BaseException]] | None = None,
                     ) -> dict[str, dict[str, Any]]:
-        """Relay events until every actor named in ``until`` has exited; return their exit data.
-
-        Rows go to the recorder, then to ``on_event``. ``watchers`` race the events: one that
-        raises ends the relay with its exception (a dead server), one that returns just ends (a
-        Stop button). An ``"error"`` event raises :class:`RingError`, or ``explain(event)``.
-        """
+        """Relay events into the recorder until every actor in ``until`` has exited; return their
+        exit data; a watcher that raises (a dead server) ends it with that error; ``explain(event)``
+        turns an actor's error into the exception raised."""
         waiting, exited = set(until), {}
         tasks = {asyncio.ensure_future(w) for w in watchers}
         recv: asyncio.Future | None = None
@@ -304,8 +315,7 @@ class Controller:
         return exited
 
     async def stop(self) -> None:
-        """Stop every actor mesh, then every proc mesh; one that hangs or fails is reported and
-        keeps none of the others from stopping."""
+        """Stop every actor mesh, then every proc mesh; one that hangs or fails stops no other."""
         for mesh in [*reversed(self._meshes), *self._procs]:
             try:
                 await asyncio.wait_for(asyncio.ensure_future(_awaited(mesh.stop())),

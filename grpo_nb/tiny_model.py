@@ -1,10 +1,5 @@
-"""A tiny Qwen3 model and its character tokenizer, built locally and warm-started on arithmetic.
-
-No hub: the tokenizer is built with ``tokenizers``, the model is a ``Qwen3ForCausalLM`` (what
-vLLM serves for real Qwen3 checkpoints), and a short SFT stops once the model solves some
-problems, not all: GRPO learns only from groups whose samples disagree. The result is cached
-by a hash of its config. The vocabulary's size equals the model's ``vocab_size`` (vLLM decodes
-an id past the tokenizer to ``""``).
+"""A tiny ``Qwen3ForCausalLM`` and its character tokenizer, built locally and cached by config
+hash; a short SFT stops once it solves some additions, not all (GRPO needs groups that disagree).
 """
 
 from __future__ import annotations
@@ -24,20 +19,13 @@ from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset
 
 SPECIALS = ("<pad>", "<eos>", "<unk>")
 CHARS = tuple("0123456789+-= ")
-VOCAB_SIZE = 32
+VOCAB_SIZE = 32  # also the model's vocab_size (vLLM decodes an id past the tokenizer to "")
 _FORMAT_VERSION = 2  # bump when the build recipe changes, so old caches are not reused
 
 
 @dataclass
 class TinyModelConfig:
-    """Architecture (sized for a 2-core CPU), warm-start recipe and task;
-    all of it is the cache key.
-
-    SFT draws fresh training problems each step (AdamW, ``lr`` after a linear warm-up: a lower
-    one leaves accuracy at 0 % for thousands of steps) until greedy accuracy on ``eval_size``
-    test problems reaches ``target_acc``, checked every ``eval_every`` steps and after every
-    step once it passes ``dense_eval_from`` (from there it climbs within a few steps).
-    """
+    """Architecture (sized for a 2-core CPU), warm-start recipe and task: all the cache key."""
 
     hidden_size: int = 128
     num_layers: int = 2
@@ -47,12 +35,12 @@ class TinyModelConfig:
     ffn_size: int = 256
     max_position_embeddings: int = 512
     task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
-    lr: float = 1e-2
+    lr: float = 1e-2  # after a linear warm-up; lower stays at 0 % for thousands of steps
     warmup_steps: int = 100
     batch_size: int = 128
-    target_acc: float = 0.30
+    target_acc: float = 0.30  # SFT stops at this greedy accuracy on eval_size test problems
     eval_every: int = 10
-    dense_eval_from: float = 0.05
+    dense_eval_from: float = 0.05  # from this accuracy on, evaluate after every step
     eval_size: int = 256
     max_steps: int = 3_000
     seed: int = 0
@@ -124,9 +112,7 @@ def build_model(cfg: TinyModelConfig, tokenizer: Any) -> Any:
 
 
 def greedy_accuracy(model: Any, prompt_ids: Any, answer_ids: Any, batch: int = 1024) -> float:
-    """Fraction of prompts whose greedy continuation is exactly the answer then ``<eos>``, in
-    one teacher-forced pass: greedy decoding reproduces the answer exactly when the argmax at
-    every answer position is the correct token (cheaper than decoding token by token)."""
+    """Fraction of prompts whose greedy continuation is the answer then ``<eos>`` (one pass)."""
     import torch
 
     was_training = model.training
@@ -143,8 +129,7 @@ def greedy_accuracy(model: Any, prompt_ids: Any, answer_ids: Any, batch: int = 1
 
 
 def _additions(cfg: TinyModelConfig, tokenizer: Any, a: Any, b: Any) -> tuple[Any, Any]:
-    """``(input_ids, labels)`` of the problems ``a + b`` (``[B]`` ints): prompt, answer and
-    ``<eos>``, with the loss on the answer and ``<eos>`` only."""
+    """``(input_ids, labels)`` of the problems ``a + b``, the loss on answer and ``<eos>`` only."""
     import torch
 
     zero = tokenizer.convert_tokens_to_ids("0")  # digits are consecutive ids
@@ -245,9 +230,8 @@ def build(cfg: TinyModelConfig, out_dir: Path, *, progress: bool = True) -> dict
 
 def build_or_load(cfg: TinyModelConfig | None = None, *, progress: bool = True,
                   out_dir: Path | str | None = None) -> Path:
-    """The folder of the tiny model for ``cfg`` (loads with transformers and ``vllm serve``):
-    built on first use by one process while others wait, into a temporary sibling renamed at
-    the end (an interrupted build never looks finished), then loaded from the cache."""
+    """The folder of the tiny model for ``cfg``, built on first use by one process while others
+    wait (into a sibling renamed at the end: an interrupted build never looks finished)."""
     cfg = cfg or TinyModelConfig()
     final = Path(out_dir or cache_dir() / "models" / f"tiny-qwen3-{cfg.key()}")
     if (final / "grpo_nb_meta.json").is_file():

@@ -11,13 +11,17 @@ Data flow::
 
 Checks per notebook: the live plot changes between two screenshots taken while its cell runs,
 widgets render (no "Loading widget…" placeholder, no version-mismatch error, no text fallback),
-no cell holds an error output; in 03, dragging a slider redraws the plot. A fixture notebook
+no cell holds an error output; in 02 and 03, dragging a slider redraws the plot. 05 needs a
+vLLM server (``make nbtest`` runs it); its section 7 cost model and slider run here on the
+recorded runs, in a notebook made of those cells. A fixture notebook
 with a deliberate error proves the checks can fail. The committed notebooks are never touched.
 ``make nbtest`` leaves out the notebooks run here: this is where they execute, every cell.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -51,6 +55,42 @@ IN_BROWSER = {"02_toy_grpo_ring.ipynb": ("live plot", "slider", "predicted speed
               "03_grpo_objective.ipynb": ("slider",)}
 
 
+# 05 needs a vLLM server for most cells, so it runs under nbmake, not here; its section 7 cost
+# model and slider need only the two runs, so they run here on the recorded ones, after a
+# prelude that stands in for the cells above them (the runs, cfg's checkpoint_every, imports).
+COST_MODEL_05 = "zz_05_cost_model.ipynb"
+CELLS_05 = ["9d41f0b6", "b64fdd96", "cb685cb8"]  # the cost model; the slider's text and cell
+PRELUDE_05 = """%matplotlib inline
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import matplotlib.pyplot as plt
+import pandas as pd
+from IPython.display import display
+
+from grpo_nb.llm.dashboard import recorded_run
+
+RECORDED = Path("recorded")
+res_async, rec_async = recorded_run(RECORDED / "nb05-async")
+res_sync, rec_sync = recorded_run(RECORDED / "nb05-sync")
+cfg = SimpleNamespace(**json.loads((RECORDED / "nb05-sync" / "config.json").read_text()))
+server = SimpleNamespace(cpus=[])  # the recorded runs' server is gone"""
+
+
+def cost_model_05() -> nbformat.NotebookNode:
+    """Notebook 05's cost-model and slider cells (by id, outputs dropped) after the prelude."""
+    nb05 = nbformat.read(REPO / "notebooks" / "05_async_grpo.ipynb", as_version=4)
+    by_id = {c.get("id"): c for c in nb05.cells}
+    cells = [nbformat.v4.new_code_cell(PRELUDE_05)]
+    for cell_id in CELLS_05:
+        cell = nbformat.from_dict(dict(by_id[cell_id]))
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+        cells.append(cell)
+    return nbformat.v4.new_notebook(cells=cells, metadata=nb05.metadata)
+
+
 @pytest.fixture(scope="module")
 def lab_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[JupyterServer, object]]:
     """A JupyterLab server on a copy of the notebooks, and a Chromium browser context."""
@@ -58,6 +98,7 @@ def lab_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[JupyterS
     nb_dir = root / "notebooks"
     shutil.copytree(REPO / "notebooks", nb_dir, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     nbformat.write(fixture_notebook(steps=12, fail=True), nb_dir / "zz_fixture.ipynb")
+    nbformat.write(cost_model_05(), nb_dir / COST_MODEL_05)
     SHOTS.mkdir(parents=True, exist_ok=True)  # not wiped: xdist workers may share it
     print(f"\n[browser] screenshots: {SHOTS}")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
@@ -201,3 +242,50 @@ def test_nbtest_runs_every_notebook_not_run_here() -> None:
     course = {p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")}
     assert nbmake | set(IN_BROWSER) == course, f"executed by neither: {course - nbmake - set(IN_BROWSER)}"
     assert not nbmake & set(IN_BROWSER), f"executed twice: {nbmake & set(IN_BROWSER)}"
+
+
+def test_05_cost_model_slider_headless(monkeypatch: pytest.MonkeyPatch) -> None:
+    """05's slider cells on the recorded runs, without a browser: the figure starts at the
+    prediction the cost-model cell prints, and moving a slider changes the predicted speed-up."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    monkeypatch.chdir(REPO / "notebooks")  # the kernel's working directory
+    ns: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for cell in cost_model_05().cells:
+            if cell.cell_type == "code":
+                code = "\n".join(ln for ln in cell.source.splitlines() if not ln.startswith("%"))
+                exec(compile(code, "05", "exec"), ns)
+
+    def predicted(text: str) -> list[str]:
+        return [ln for ln in text.splitlines() if ln.startswith("predicted speed-up")]
+
+    (first,) = predicted(out.getvalue())
+    assert first.startswith(f"predicted speed-up {ns['pred'].model_speedup:.2f}x"), first
+    g_slider = ns["explorer"].children[0]
+    assert g_slider.description == "G (s)" and g_slider.value == ns["pred"].G
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        g_slider.value = g_slider.value / 4  # generation 4x cheaper: less for overlap to hide
+    (moved,) = predicted(out.getvalue())
+    quarter = ns["model_at"](ns["pred"].G / 4, ns["pred"].T, ns["pred"].S, ns["pred"].S_server,
+                             ns["pause_mode"] != "none")
+    assert moved != first and moved.startswith(
+        f"predicted speed-up {quarter.model_speedup:.2f}x"), (first, moved)
+
+
+def test_05_cost_model_slider_in_jupyterlab(lab: LabPage) -> None:
+    """The same cells in JupyterLab: they run without error, the widgets render, and dragging
+    the first slider redraws the figure and changes the printed predicted speed-up."""
+    lab.open(COST_MODEL_05)
+    run_and_watch(lab, "05-cost-model", timeout_s=300)
+    cells = lab.cells()
+    assert _errors(cells) == [] and _widget_failures(cells) == [], cells
+    shown = _lines_of_slider_cell(lab, "predicted speed-up")
+    before, after = _drag_first_slider(lab, "05-cost-model")
+    assert _errors(lab.cells()) == []
+    moved = _lines_of_slider_cell(lab, "predicted speed-up")
+    assert shown != moved, shown
+    print(f"[browser] 05 cost model: {shown} -> {moved} ({before.name}, {after.name})")

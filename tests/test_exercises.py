@@ -3,7 +3,7 @@ answer fails it, a right answer passes.
 
 The checker is the notebook's own cell (found by its id) executed against a namespace that
 holds what the notebook would have computed by then, built by hand: metric rows, completions,
-groups, and a stand-in for the one server fact a checker asks (the served weight version).
+groups, and stand-ins for the server (04's FakeVLLM, 05's served weight version).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import inspect
 import io
 import re
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -27,12 +28,16 @@ import torch
 
 from grpo_nb import tasks
 from grpo_nb.actors import Actor, Channel, concurrent_endpoint, endpoint
+from grpo_nb.config import preset
 from grpo_nb.course import exercises
-from grpo_nb.llm import rollouts
-from grpo_nb.llm.data import Group, Rollout
+from grpo_nb.llm import by_hand, rollouts
+from grpo_nb.llm.config import LLMConfig
+from grpo_nb.llm.data import Group, Prompt
 from grpo_nb.metrics import MetricsRecorder
+from grpo_nb.serving.client import ClientConfig
 from grpo_nb.toy.run import run_ring, summarize
 from grpo_nb.toy.task import ToyConfig
+from grpo_nb.weight_sync import client as weight_sync_client
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -53,77 +58,199 @@ def passes(notebook: str, checker_id: str, namespace: dict[str, Any]) -> bool:
     return True
 
 
-# ── 04 · Exercises 1 and 2: temperature and mixed groups; a format bonus ──
+# ── 04 · Exercises 1–3: temperature and mixed groups; a format bonus; aborted requests ──
+# The checkers and the solutions run unchanged against FakeVLLM, which stands in for the server,
+# its completions client and its control client.
 
 NB04 = "04_vllm_rollouts.ipynb"
-GROUP_SIZE = 4
-PROMPTS = [{"prompt": f"00{k}+001=", "answer": f"000{k + 1}"} for k in range(3)]
+ROWS_04 = [(f"00{k}+001=", f"000{k + 1}") for k in range(5)]
 
 
-def group(row: dict[str, str], texts: list[str], logprob: float, reward: str = "math") -> Group:
-    score = tasks.make_reward(reward)
-    return Group(group_id=0, prompt=row["prompt"], answer=row["answer"], prompt_ids=[1],
-                 rollouts=[Rollout(prompt_ids=[1], completion_ids=[5, 6],
-                                   sampler_logprobs=[logprob, logprob], completion_text=t,
-                                   finish_reason="stop", reward=score(t, row["answer"]))
-                           for t in texts],
-                 policy_version=0, t_submit=0.0, t_done=1.0)
+class FakeVLLM:
+    """Section 4's server by hand. At T < 1 a group's samples agree (right for the first prompt
+    only); at T ≥ 1 they differ: right, a bare wrong number, two badly shaped. Every token's
+    log-prob is the stand-in model's at T, ``-0.3 * T``. A request decodes for ``decode_s``;
+    ``pause("abort")`` ends those decoding, and requests sent while paused wait for
+    ``resume()``, as vLLM's do."""
+
+    url, api_key = "http://127.0.0.1:8000", None
+
+    def __init__(self, decode_s: float = 0.0) -> None:
+        self.decode_s = decode_s
+        self.decoding: list[asyncio.Future[str]] = []
+        self.paused = False
+        self.waited = 0  # wait_running calls
+
+    async def __aenter__(self) -> FakeVLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def complete(self, prompt_ids: list[int], *, temperature: float = 1.0, n: int = 1,
+                       ignore_eos: bool = False, **_: Any) -> list[SimpleNamespace]:
+        while self.paused:
+            await asyncio.sleep(0.005)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[str] = loop.create_future()
+        ends = "length" if ignore_eos else "stop"
+        timer = loop.call_later(self.decode_s, lambda: done.done() or done.set_result(ends))
+        self.decoding.append(done)
+        try:
+            reason = await done
+        finally:
+            self.decoding.remove(done)
+            timer.cancel()
+        k = prompt_ids[-1]
+        if temperature < 1:
+            texts = [ROWS_04[k][1] if k == 0 else "7"] * n
+        else:
+            texts = [[ROWS_04[k][1], "7", "no", "12 13"][i % 4] for i in range(n)]
+        return [SimpleNamespace(text=t, token_ids=[5, 6], logprobs=[-0.3 * temperature] * 2,
+                                finish_reason=reason, latency_s=self.decode_s) for t in texts]
+
+    def wait_running(self, at_least: int = 1, timeout: float = 10.0) -> bool:
+        self.waited += 1
+        deadline = time.monotonic() + timeout
+        while len(self.decoding) < at_least:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def pause(self, mode: str = "keep") -> None:
+        self.paused = True
+        for done in self.decoding if mode == "abort" else []:
+            if not done.done():
+                done.set_result("abort")
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def is_paused(self) -> bool:
+        return self.paused
 
 
-def groups_at_temperature(t: float) -> list[Group]:
-    """At T=0.3 every sample of a group agrees and is near-certain; at T=1.5 they differ."""
-    if t < 1:
-        return [group(row, [row["answer"]] * GROUP_SIZE if k == 0 else ["7"] * GROUP_SIZE, -0.01)
-                for k, row in enumerate(PROMPTS)]
-    return [group(row, [row["answer"], "7", "77", row["answer"]], -1.2) for row in PROMPTS]
+def namespace_04(fake: FakeVLLM) -> dict[str, Any]:
+    """Notebook 04 at its exercises, with ``fake`` as its server, client and control client."""
+    cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="arithmetic", group_size=4)  # not loaded
+    return {"exercises": exercises, "rollouts": rollouts, "tasks": tasks, "Group": Group,
+            "prompts": [Prompt(p, [1, k], a) for k, (p, a) in enumerate(ROWS_04)],
+            "group_size": cfg.group_size, "cfg": cfg, "score": tasks.make_reward("math"),
+            "server": fake, "client": fake, "prompt_ids": [1, 0], "ClientConfig": ClientConfig,
+            "CompletionsClient": SimpleNamespace(for_server=lambda server, cfg=None: fake),
+            "VLLMControlClient": lambda url, api_key=None: fake,
+            "temperature_gap": lambda samples, t: max(abs(x + 0.3 * t) for *_, lp in samples
+                                                      for x in lp)}  # section 5's, for FakeVLLM
 
 
-def namespace_04(**answer: Any) -> dict[str, Any]:
-    return {"rollouts": rollouts, "tasks": tasks, "prompts": PROMPTS, "group_size": GROUP_SIZE,
-            **answer}
+async def at_exercise_04(stub: str, checker: str, fake: FakeVLLM) -> dict[str, Any]:
+    with contextlib.redirect_stdout(io.StringIO()):  # the checker's ✗ for the stub
+        return await run_cells(NB04, [stub, checker], namespace_04(fake))
 
 
-def test_04_ex1_mixed_groups_against_temperature() -> None:
-    checker = "a4c91e07"
-    stub: dict[str, Any] = {}
-    exec(cell_source(NB04, "98bb0862"), stub)
-    assert not passes(NB04, checker, namespace_04(groups_at=stub["groups_at"],
-                                                  mixed_at=stub["mixed_at"])), "the stub"
-    groups_at = {t: groups_at_temperature(t) for t in (0.3, 1.5)}
-    right = {0.3: 0.0, 1.5: 1.0}
-    counts = {0.3: 0, 1.5: len(PROMPTS)}
-    one_sampling = {t: groups_at[1.5] for t in (0.3, 1.5)}  # the temperature never reached it
-    for name, ns in [("counts, not fractions", namespace_04(groups_at=groups_at, mixed_at=counts)),
-                     ("sampled at one temperature",
-                      namespace_04(groups_at=one_sampling, mixed_at={0.3: 1.0, 1.5: 1.0})),
-                     ("temperatures swapped",
-                      namespace_04(groups_at={0.3: groups_at[1.5], 1.5: groups_at[0.3]},
-                                   mixed_at={0.3: 1.0, 1.5: 0.0}))]:
-        assert not passes(NB04, checker, ns), name
-    assert passes(NB04, checker, namespace_04(groups_at=groups_at, mixed_at=right)), "right"
+def variants(exercise: str, ns: dict[str, Any], name: str,
+             edits: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Plausible wrong answers: the solution with one piece of its text replaced."""
+    text = (SOLUTIONS / f"{exercise}.py").read_text(encoding="utf-8")
+    out = {}
+    for label, (old, new) in edits.items():
+        assert old in text, (exercise, old)
+        scope = dict(ns)
+        exec(compile(text.replace(old, new), f"{exercise}: {label}", "exec"), scope)
+        out[label] = scope[name]
+    return out
 
 
-def test_04_ex2_format_bonus() -> None:
-    checker = "b83d5f16"
-    stub: dict[str, Any] = {}
-    exec(cell_source(NB04, "abd6c76d"), stub)
-    assert not passes(NB04, checker, namespace_04(bonus_groups=stub["bonus_groups"])), "the stub"
-    rows = [*PROMPTS, {"prompt": "005+005=", "answer": "0010"}]
-    texts = ["7", "0010", "no", "12 13"]  # a bare wrong number, a right one, two badly shaped
+def test_04_ex1_mixed_groups_against_temperature(learning_mode: None) -> None:
+    async def scenario() -> None:
+        ns = await at_exercise_04("98bb0862", "a4c91e07", FakeVLLM())
+        sample = "cfg.replace(temperature=t)"
+        wrong = variants("04_ex1", ns, "mixed_at_temperature", {
+            "counts, not fractions": ("mixed / len(groups)", "mixed"),
+            "sampled at one temperature": (sample, "cfg"),
+            "temperatures swapped": (sample, "cfg.replace(temperature=1.8 - t)"),
+            "not scored": ("reward=score", "reward=None"),
+        })
+        await judge("04_ex1", ns["mixed_problems"], ns, "mixed_at_temperature", wrong)
 
-    def scored(reward: str) -> list[Group]:
-        return [group(row, [row["answer"] if t == "0010" else t for t in texts], -1.0, reward)
-                for row in rows]
-
-    for name, wrong in [("no bonus", scored("math")), ("the 0.1 bonus", scored("math+0.1*format")),
-                        ("too few prompts", scored("math+0.2*format")[:2])]:
-        assert not passes(NB04, checker, namespace_04(bonus_groups=wrong)), name
-    assert passes(NB04, checker, namespace_04(bonus_groups=scored("math+0.2*format"))), "right"
+    asyncio.run(scenario())
 
 
-# ── 05 · Exercise 3: a sync that aborts requests in flight ──
+def test_04_ex2_format_bonus(learning_mode: None) -> None:
+    async def scenario() -> None:
+        ns = await at_exercise_04("abd6c76d", "b83d5f16", FakeVLLM())
+        spec = 'tasks.make_reward("math+0.2*format")'
+        wrong = variants("04_ex2", ns, "bonus_groups", {
+            "no bonus": (spec, "score"),
+            "the 0.1 bonus": (spec, 'tasks.make_reward("math+0.1*format")'),
+            "too few prompts": ("prompts[:4]", "prompts[:2]"),
+        })
+        await judge("04_ex2", ns["bonus_problems"], ns, "bonus_groups", wrong)
+
+    asyncio.run(scenario())
+
+
+def test_04_ex3_abort_requests_in_flight(learning_mode: None) -> None:
+    async def scenario() -> None:
+        fake = FakeVLLM(decode_s=0.2)
+        ns = await at_exercise_04("8f504de9", "e4bb2efe", fake)
+        wait = "await asyncio.to_thread(control.wait_running)"
+        wrong = variants("04_ex3", ns, "count_aborted", {
+            "a fixed sleep, longer than the requests": (wait, "await asyncio.sleep(0.5)"),
+            "paused before the requests reach the server":
+                (f'{wait}\n        control.pause("abort")',
+                 'control.pause("abort")\n        control.resume()'),
+            "never resumes": ("control.resume()  #", "pass  #"),
+        })
+        await judge("04_ex3", ns["abort_problems"], ns, "count_aborted", wrong)
+        assert not fake.paused, "the checker resumes a server an answer left paused"
+        fake.waited = 0
+        assert await solution("04_ex3", ns, "count_aborted")(8) == (8, 0)
+        assert fake.waited == 1, "the solution waits on the server's gauge (wait_running)"
+
+    asyncio.run(scenario())
+
+
+# ── 05 · Exercises 1–3: the masked token loss, a staleness budget of zero, an aborting sync ──
 
 NB05 = "05_async_grpo.ipynb"
+
+
+def test_05_ex1_token_loss(learning_mode: None) -> None:
+    assert 'exercises.check("05_ex1", by_hand.token_loss_problems' in cell_source(NB05, "842d7b29")
+
+    def per_sample_mean(logp: Any, old: Any, adv: Any, mask: Any, eps: float = 0.2) -> Any:
+        ratio, a = torch.exp(logp - old), adv[:, None]
+        surrogate = torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
+        return -((surrogate * mask).sum(-1) / mask.sum(-1)).mean()  # "seq-mean", not token-mean
+
+    def no_mask(logp: Any, old: Any, adv: Any, mask: Any, eps: float = 0.2) -> Any:
+        ratio, a = torch.exp(logp - old), adv[:, None]
+        return -torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a).mean()  # padding too
+
+    ns: dict[str, Any] = {}
+    exec(cell_source(NB05, "ab7ac75a"), ns)
+    asyncio.run(judge("05_ex1", by_hand.token_loss_problems, ns, "my_token_loss",
+                      {"a mean per sample first": per_sample_mean, "no mask": no_mask}))
+
+
+def test_05_ex2_stale0_config(learning_mode: None) -> None:
+    async def scenario() -> None:
+        ns = {"cfg": preset(LLMConfig).replace(dtype="float32")}  # as the notebook's cfg
+        with contextlib.redirect_stdout(io.StringIO()):
+            ns = await run_cells(NB05, ["29ba6a79", "af63411e"], ns)
+        await judge("05_ex2", ns["stale0_problems"], ns, "stale0_config", {
+            "max_staleness=1": lambda c: c.replace(max_staleness=1, steps=10),
+            "sync mode": lambda c: c.replace(mode="sync", max_staleness=0, steps=10),
+            "the whole run": lambda c: c.replace(max_staleness=0),
+            "another knob changed": lambda c: c.replace(max_staleness=0, steps=10, max_ahead=0),
+            "not a config": lambda c: {"max_staleness": 0, "steps": 10},
+        })
+        assert await verdict("05_ex2", ns["stale0_problems"],  # another right answer
+                             lambda c: c.replace(max_staleness=0, steps=3, mode="async"))
+
+    asyncio.run(scenario())
 
 
 def completion(finish_reason: str, tokens: int) -> SimpleNamespace:
@@ -131,39 +258,60 @@ def completion(finish_reason: str, tokens: int) -> SimpleNamespace:
                            logprobs=[-1.0] * tokens)
 
 
-def namespace_05(aborted: Any, served_version: str | None) -> dict[str, Any]:
-    """The checker's namespace, with the served weight version as the only server fact."""
+def fake_server_05(served: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Exercise 3's checker namespace: the served weight version is the only server fact, and
+    the control client the checker imports reads it."""
 
     class FakeControl:
         def __init__(self, url: str, api_key: str | None = None) -> None:
             assert url == "http://127.0.0.1:8000"
 
+        def set_weight_version(self, version: str) -> None:
+            served["version"] = version
+
         def weight_version(self) -> str | None:
-            return served_version
+            return served["version"]
 
-    return {"aborted": aborted, "VLLMControlClient": FakeControl,
-            "server": SimpleNamespace(url="http://127.0.0.1:8000", api_key=None)}
+    monkeypatch.setattr(weight_sync_client, "VLLMControlClient", FakeControl)
+    return {"server": SimpleNamespace(url="http://127.0.0.1:8000", api_key=None)}
 
 
-def test_05_ex3_sync_aborts_requests_in_flight() -> None:
-    checker = "7d43909b"
-    stub: dict[str, Any] = {}
-    exec(cell_source(NB05, "fd8d7eba"), stub)
-    assert not passes(NB05, checker, namespace_05(stub["aborted"], "1")), "the stub"
-    cut = [completion("abort", n) for n in (12, 12, 13, 13, 13, 14)]
-    outs = [*cut, completion("length", 200), completion("length", 200)]
-    for name, ns in [
-        ("every completion, not only the aborted", namespace_05(outs, "1")),
-        ("every completion, without ignore_eos",
-         namespace_05([*cut, completion("stop", 6)], "1")),
-        ("a run that never synced: nothing aborted", namespace_05([], "0")),
-        ("a run that never synced: all finished", namespace_05(outs[-2:], "0")),
-        ("paused by hand, never synced", namespace_05(cut, "0")),
-        ("a completion kept twice", namespace_05(cut + cut, "1")),
-    ]:
-        assert not passes(NB05, checker, ns), name
-    assert passes(NB05, checker, namespace_05(cut, "1")), "right"
+def test_05_ex3_sync_aborts_requests_in_flight(learning_mode: None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's label starts at "1" (section 4's sync): the checker must not trust it."""
+    served = {"version": "1"}
 
+    def answer(outs: list, syncs: bool) -> Callable[[], Any]:
+        async def aborted_completions() -> list:
+            if syncs:
+                served["version"] = "1"
+            return outs
+
+        return aborted_completions
+
+    async def scenario() -> None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ns = await run_cells(NB05, ["fd8d7eba", "7d43909b"], fake_server_05(served, monkeypatch))
+        checker = ns["abort_problems"]
+        assert not await verdict("05_ex3", checker, ns["aborted_completions"]), "the stub"
+        cut = [completion("abort", n) for n in (12, 12, 13, 13, 13, 14)]
+        outs = [*cut, completion("length", 200), completion("length", 200)]
+        for name, wrong in [
+            ("every completion, not only the aborted", answer(outs, True)),
+            ("every completion, without ignore_eos", answer([*cut, completion("stop", 6)], True)),
+            ("a run that never synced: nothing aborted", answer([], False)),
+            ("a run that never synced: all finished", answer(outs[-2:], False)),
+            ("paused by hand, never synced", answer(cut, False)),
+            ("a completion kept twice", answer(cut + cut, True)),
+            ("a plain function, not async", lambda: cut),
+        ]:
+            assert not await verdict("05_ex3", checker, wrong), name
+        assert await verdict("05_ex3", checker, answer(cut, True)), "right"
+        # the solution needs a live server: make nbtest runs it through this checker
+        # (GRPO_NB_SOLUTIONS=1); here, that it defines the coroutine function the checker awaits
+        assert inspect.iscoroutinefunction(solution("05_ex3", {}, "aborted_completions"))
+
+    asyncio.run(scenario())
 
 
 # ── 01, 02 and 03: the notebook's checker cells, the solutions in notebooks/solutions/ ──
@@ -436,7 +584,7 @@ def notebooks_calling_check() -> dict[str, set[str]]:
 def test_solutions_live_in_files_not_in_the_notebook() -> None:
     """Run all never runs a solution: solution cells only point at their file."""
     called = notebooks_calling_check()
-    assert {NB01, NB02, NB03} <= set(called)
+    assert {NB01, NB02, NB03, NB04, NB05} <= set(called)
     files = {p.stem for p in SOLUTIONS.glob("*.py")}
     assert set().union(*called.values()) == files, "a solution file without its check, or back"
     for name in called:
@@ -471,3 +619,35 @@ def test_ci_mode_runs_the_solution_and_fails_loudly(tmp_path: Path,
     with contextlib.redirect_stdout(out):
         asyncio.run(run_cells(NB03, ["4b7d20e3"], ns))
     assert out.getvalue().startswith("✗ 03_ex2") and "%load solutions/03_ex2.py" in out.getvalue()
+
+
+# 05 · Exercise 4: the trainer's admission rule and its credits
+NB05_ADMIT = "05_async_grpo.ipynb", ["35c06b92", "92d0efcf"]  # the stub, the checker
+
+
+def test_05_admit_and_credits(learning_mode: None) -> None:
+    """Wrong rules fail (strict bound, staleness the wrong way round, a number for a bool); wrong
+    credits fail (received left out, running ahead in sync mode, the current step left out)."""
+    async def scenario() -> None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ns = await run_cells(*NB05_ADMIT, {})
+        checker = ns["admission_problems"]
+        assert not await verdict("05_admit", checker, ns["admit"]), "the stub passes"
+        right = solution("05_admit", ns, "admit")
+        ns["issued"] = solution("05_admit", ns, "issued")
+        for label, wrong in {"<": lambda s, v, m: s - v < m,
+                             "wrong way round": lambda s, v, m: v - s <= m,
+                             "the staleness": lambda s, v, m: s - v,
+                             "one more allowed": lambda s, v, m: s - v <= m + 1}.items():
+            assert not await verdict("05_admit", checker, wrong), f"admit {label} passes"
+        for label, wrong in {
+                "received left out": lambda r, mode, a, p: (1 + a) * p,
+                "ahead in sync mode": lambda r, mode, a, p: r + (1 + a) * p,
+                "this step left out": lambda r, mode, a, p: r + (a if mode == "async" else 1) * p,
+        }.items():
+            ns["issued"] = wrong
+            assert not await verdict("05_admit", checker, right), f"issued {label} passes"
+        ns["issued"] = solution("05_admit", ns, "issued")
+        assert await verdict("05_admit", checker, right), "the solution fails"
+
+    asyncio.run(scenario())

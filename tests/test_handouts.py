@@ -43,6 +43,42 @@ def _tagged(*specs: tuple[str, str]) -> nbformat.NotebookNode:
     return nbformat.v4.new_notebook(cells=cells)
 
 
+def exercise_problems(nb: nbformat.NotebookNode) -> list[str]:
+    """Why the notebook's exercise and solution cells do not pair up (empty when they do)."""
+    problems = []
+    tags = [handouts.cell_tags(c) for c in nb.cells]
+    both = [i for i, t in enumerate(tags) if {"exercise", "solution"} <= t]
+    if both:
+        problems.append(f"cells {both} are tagged both exercise and solution")
+    ex_any = [i for i, t in enumerate(tags) if "exercise" in t]
+    sol_all = [i for i, t in enumerate(tags) if "solution" in t]
+    ex_code = [i for i in ex_any if nb.cells[i].cell_type == "code"]
+    sol_code = [i for i in sol_all if nb.cells[i].cell_type == "code"]
+    if len(sol_code) < len(ex_code):
+        problems.append(f"{len(ex_code)} exercise code cells but {len(sol_code)} solution code "
+                        "cells")
+    for k, (ex, sol) in enumerate(zip(ex_code, sol_code, strict=False)):
+        if sol < ex:
+            problems.append(f"solution #{k + 1} (cell {sol}) comes before exercise #{k + 1} "
+                            f"(cell {ex})")
+    if ex_any and not any(s > ex_any[0] for s in sol_all):
+        problems.append("exercises without any solution cell after them")
+    return problems
+
+
+def solution_leaks(source: nbformat.NotebookNode, student: nbformat.NotebookNode) -> list[str]:
+    """Lines written only in solution cells that appear in the student copy."""
+    public: set[str] = set()
+    secret: set[str] = set()
+    for cell in source.cells:
+        lines = {ln.strip() for ln in cell.source.splitlines() if len(ln.strip()) > 3}
+        (secret if "solution" in handouts.cell_tags(cell) else public).update(lines)
+    secret -= public
+    student_text = "\n".join(c.source for c in student.cells)
+    student_lines = {ln.strip() for ln in student_text.splitlines()}
+    return sorted(secret & student_lines)
+
+
 def test_parse_runtime_reads_the_agreed_line() -> None:
     rt = handouts.parse_runtime(_md("# T\n\nLearn things.\n\n**Time:** smoke ~1 min · full ~5 min"))
     assert rt == handouts.Runtime(smoke="~1 min", full="~5 min")
@@ -66,15 +102,15 @@ def test_exercise_pairing_rules() -> None:
     ok_at_end = _tagged(
         ("code", "exercise"), ("code", "exercise"), ("code", "solution"), ("code", "solution")
     )
-    assert handouts.exercise_problems(ok_interleaved) == []
-    assert handouts.exercise_problems(ok_at_end) == []
-    missing = handouts.exercise_problems(
+    assert exercise_problems(ok_interleaved) == []
+    assert exercise_problems(ok_at_end) == []
+    missing = exercise_problems(
         _tagged(("code", "exercise"), ("code", "exercise"), ("code", "solution"))
     )
     assert any("2 exercise code cells but 1 solution" in p for p in missing)
-    early = handouts.exercise_problems(_tagged(("code", "solution"), ("code", "exercise")))
+    early = exercise_problems(_tagged(("code", "solution"), ("code", "exercise")))
     assert any("comes before" in p for p in early)
-    talk_only = handouts.exercise_problems(_tagged(("markdown", "exercise"), ("code", "")))
+    talk_only = exercise_problems(_tagged(("markdown", "exercise"), ("code", "")))
     assert talk_only == ["exercises without any solution cell after them"]
 
 
@@ -88,7 +124,7 @@ def test_student_copy_drops_solutions_and_outputs() -> None:
     assert len(student.cells) == len(nb.cells) - 1
     # the leak detector sees a solution pasted into an untagged cell
     student.cells.append(nbformat.v4.new_code_cell(f"def double(x):\n    {FIXTURE_SOLUTION}"))
-    assert handouts.solution_leaks(nb, student) == [FIXTURE_SOLUTION]
+    assert solution_leaks(nb, student) == [FIXTURE_SOLUTION]
 
 
 @pytest.fixture(scope="module")
@@ -204,9 +240,9 @@ def test_course_notebook_conventions(path: Path) -> None:
         "opening markdown needs a line like '**Time:** smoke ~1 min · full ~5 min'"
     )
     assert any("exercise" in handouts.cell_tags(c) for c in nb.cells), "no cell tagged exercise"
-    assert handouts.exercise_problems(nb) == []
+    assert exercise_problems(nb) == []
     student = handouts.student_copy(nb)
-    assert handouts.solution_leaks(nb, student) == []
+    assert solution_leaks(nb, student) == []
     # a solution left untagged would reach students: flag headings/comments that announce one
     announced = [
         c.source[:60]

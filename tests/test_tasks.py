@@ -345,7 +345,7 @@ def half_credit(completion_text, answer):
 
 def test_user_rewards_callable_and_by_import_path():
     direct = tasks.make_reward(half_credit)
-    assert direct("... 19", "19") == 0.5 and direct.names == ["half_credit"]
+    assert direct("... 19", "19") == 0.5 and direct.terms == ((half_credit, 1.0),)
     by_path = tasks.make_reward(f"{__name__}:half_credit+math")
     assert by_path("... 19", "19") == 1.5
     assert pickle.loads(pickle.dumps(by_path))("... 19", "19") == 1.5
@@ -395,10 +395,13 @@ def test_check_task_fields_names_the_config_field():
     from types import SimpleNamespace
 
     good = dict(dataset="arithmetic", test_size=None, system_prompt=None,
-                chat_template_kwargs=None, max_prompt_len=64, reward="no_such_module_xyz:f")
+                chat_template_kwargs=None, reward="no_such_module_xyz:f")
     tasks.check_task_fields(SimpleNamespace(**good))  # import paths resolve in the scorer
     for field, value in [("dataset", "arithmetic:x"), ("test_size", True),
-                         ("system_prompt", 3), ("chat_template_kwargs", "x"),
-                         ("max_prompt_len", 0), ("reward", "math+")]:
+                         ("system_prompt", 3), ("chat_template_kwargs", "x"), ("reward", "math+")]:
         with pytest.raises(ValueError, match=rf"LLMConfig\.{field}="):
             tasks.check_task_fields(SimpleNamespace(**{**good, field: value}))
+    from grpo_nb.llm.config import LLMConfig
+
+    with pytest.raises(ValueError, match=r"LLMConfig\.max_prompt_len="):  # the config's own bound
+        LLMConfig(max_prompt_len=0)

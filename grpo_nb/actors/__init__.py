@@ -1,8 +1,5 @@
-"""An actor runtime in plain asyncio with torchmonarch's surface.
-
-Code written against this module runs on Monarch processes by changing the import line to
-``from monarch.actor import ...``, or unchanged: write the actor classes once, at module level,
-and spawn ``class_for(Cls, backend("asyncio" | "monarch"))`` on either runtime's proc meshes.
+"""An actor runtime in plain asyncio with torchmonarch's surface: the same module-level actor
+classes spawn as ``class_for(Cls, backend("asyncio" | "monarch"))`` on either runtime.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The runtime's messages: copying, errors, value meshes, futures, channels.
-
-Real actors live in separate processes and share no memory, so whatever crosses a port or an
-endpoint is copied here too (pickled and unpickled once): code that mutated another actor's
-state through a shared reference would work here and break on torchmonarch.
+"""The runtime's messages: copying, errors, value meshes, futures, channels. Whatever crosses a
+port or an endpoint is copied (as between Monarch's processes), so shared state cannot leak.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ _IMMUTABLE = (int, float, bool, str, bytes, type(None))
 
 
 class Handle:
-    """Marker base class of addresses (ports, meshes, endpoints): pickling one keeps the very
-    object, since an address names a mailbox and owns no data."""
+    """Marker base class of addresses (ports, meshes, endpoints): they travel as themselves."""
 
 
 def _copy_tensor(obj: Any) -> Any:

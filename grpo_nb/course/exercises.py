@@ -1,19 +1,6 @@
-"""Exercise checkers for the notebooks: they test the learner's code, not the shipped solution.
-
-A notebook's exercise is a stub cell the learner completes, then a checker cell::
-
-    exercises.check("03_ex1", sign_problems, globals(), "fixed_loss")
-
-``check`` calls the checker on the learner's answer (``namespace["fixed_loss"]``); a checker
-returns the list of what is wrong, empty when the answer is right. Solutions live beside the
-notebooks in ``solutions/<exercise>.py``, one deliberate step away (``%load solutions/03_ex1.py``
-in a cell), so "Run all" never runs them. Two modes:
-
-- learning (default): a wrong or unwritten answer prints ✗ and what is wrong, and raises
-  nothing, so the rest of the notebook still runs;
-- CI (``GRPO_NB_SOLUTIONS=1``, set by ``make nbtest`` and the browser test): the solution file
-  is executed into the notebook's namespace first, and a failing check raises, so every
-  solution is run through its checker.
+"""Exercise checkers: ``check("03_ex1", sign_problems, globals(), "fixed_loss")`` runs a checker
+(a list of what is wrong) on the learner's answer and prints ✓ or ✗ without raising. With
+``GRPO_NB_SOLUTIONS=1`` (CI) it first runs ``solutions/<exercise>.py`` and a failure raises.
 """
 
 from __future__ import annotations
@@ -28,11 +15,6 @@ from grpo_nb.config import env_flag
 # The kernel's working directory is the notebook's folder (JupyterLab, nbmake, nbclient).
 SOLUTIONS = Path("solutions")
 Problems = list[str]
-
-
-def solutions_mode() -> bool:
-    """True when ``GRPO_NB_SOLUTIONS`` asks checkers to run (and enforce) the shipped solutions."""
-    return env_flag("GRPO_NB_SOLUTIONS")
 
 
 def solution_path(exercise: str, folder: Path | None = None) -> Path:
@@ -52,11 +34,8 @@ def check(
     answer: str,
     folder: Path | None = None,
 ) -> Coroutine[Any, Any, None] | None:
-    """Run ``checker(namespace[answer])`` and print ✓ or ✗; an async checker gives an awaitable.
-
-    In CI mode the solution is loaded first and a failure raises ``AssertionError``.
-    """
-    strict = solutions_mode()
+    """Run ``checker(namespace[answer])``, print ✓ or ✗; an async checker gives an awaitable."""
+    strict = env_flag("GRPO_NB_SOLUTIONS")  # CI: run the shipped solution, and enforce it
     if strict:
         load_solution(exercise, namespace, folder)
     if answer not in namespace:

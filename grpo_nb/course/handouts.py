@@ -1,11 +1,6 @@
 """Workshop handouts: student copies, executed HTML pages with an index, and an optional PDF.
-
-``python -m grpo_nb handouts [--full] [--pdf] [--solutions] [--only 02,03] [--out DIR]``
-
-Conventions the notebooks follow (the tests check them): exercise cells carry the tag
-``exercise`` and solution cells ``solution``, the i-th solution code cell after the i-th
-exercise code cell; the opening markdown states the runtime on one line, e.g.
-``**Time:** smoke ~1 min · full ~5 min``. Executing and rendering: :mod:`.handouts_render`.
+Notebooks tag cells ``exercise`` / ``solution`` (paired in order) and state their runtime in the
+opening markdown, e.g. ``**Time:** smoke ~1 min · full ~5 min``.
 """
 
 from __future__ import annotations
@@ -56,14 +51,13 @@ class Runtime:
 
 @dataclass
 class HandoutConfig:
-    """What to build, from where, into where; ``solutions`` keeps them in the pages (an
-    instructor's copy), ``only`` lists notebook numbers (empty: all)."""
+    """What to build, from where, into where; ``only`` lists notebook numbers (empty: all)."""
 
     notebooks: Path
     out: Path
     full: bool = False  # the full-size configuration instead of GRPO_NB_SMOKE=1
     pdf: bool = False
-    solutions: bool = False
+    solutions: bool = False  # keep them in the pages (an instructor's copy)
     only: tuple[str, ...] = ()
     cell_timeout_s: int | None = None  # None: 600 s in smoke mode, 3600 s in full mode
 
@@ -81,8 +75,7 @@ class HandoutConfig:
 
 @dataclass
 class PageResult:
-    """One notebook's outcome on the index page; ``shown`` is the executed notebook its page
-    renders."""
+    """One notebook's outcome on the index page; ``shown``: the executed notebook rendered."""
 
     name: str
     title: str
@@ -97,15 +90,8 @@ def cell_tags(cell: NotebookNode) -> set[str]:
     return set(cell.get("metadata", {}).get("tags", []))
 
 
-def find_notebooks(folder: Path, only: tuple[str, ...] = ()) -> list[Path]:
-    """The course notebooks (``NN_name.ipynb``) in order, optionally only some numbers."""
-    found = sorted(p for p in Path(folder).iterdir() if _NOTEBOOK_NAME.match(p.name))
-    return [p for p in found if not only or p.name[:2] in only]
-
-
 def parse_runtime(nb: NotebookNode) -> Runtime | None:
-    """The runtimes the opening markdown's ``**Time:**`` paragraph states (both modes), if any;
-    prose such as "about 45 s in smoke mode" is read too, code spans and parentheses skipped."""
+    """The runtimes (both modes) the opening markdown's ``**Time:**`` paragraph states, if any."""
     first = next((c for c in nb.cells if c.cell_type == "markdown"), None)
     if first is None:
         return None
@@ -129,34 +115,9 @@ def _tidy_duration(text: str) -> str:
 
 def notebook_title(nb: NotebookNode, fallback: str) -> str:
     """The first markdown heading, which every course notebook opens with."""
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            for line in cell.source.splitlines():
-                if line.startswith("#"):
-                    return line.lstrip("#").strip()
-    return fallback
-
-
-def exercise_problems(nb: NotebookNode) -> list[str]:
-    """Why the notebook's exercise and solution code cells do not pair up (empty when they do);
-    a markdown-only exercise needs some solution cell after it."""
-    problems = []
-    both = [i for i, c in enumerate(nb.cells) if {EXERCISE_TAG, SOLUTION_TAG} <= cell_tags(c)]
-    if both:
-        problems.append(f"cells {both} are tagged both exercise and solution")
-    ex_any = [i for i, c in enumerate(nb.cells) if EXERCISE_TAG in cell_tags(c)]
-    sol_all = [i for i, c in enumerate(nb.cells) if SOLUTION_TAG in cell_tags(c)]
-    ex_code = [i for i in ex_any if nb.cells[i].cell_type == "code"]
-    sol_code = [i for i in sol_all if nb.cells[i].cell_type == "code"]
-    if len(sol_code) < len(ex_code):
-        problems.append(f"{len(ex_code)} exercise code cells but {len(sol_code)} solution code cells")
-    for k, (ex, sol) in enumerate(zip(ex_code, sol_code, strict=False)):
-        if sol < ex:
-            problems.append(f"solution #{k + 1} (cell {sol}) comes before exercise #{k + 1} "
-                            f"(cell {ex})")
-    if ex_any and not any(s > ex_any[0] for s in sol_all):
-        problems.append("exercises without any solution cell after them")
-    return problems
+    headings = (line.lstrip("#").strip() for cell in nb.cells if cell.cell_type == "markdown"
+                for line in cell.source.splitlines() if line.startswith("#"))
+    return next(headings, fallback)
 
 
 def student_copy(nb: NotebookNode) -> NotebookNode:
@@ -167,20 +128,6 @@ def student_copy(nb: NotebookNode) -> NotebookNode:
             cell.outputs, cell.execution_count = [], None
     out.metadata.pop("widgets", None)
     return out
-
-
-def solution_leaks(source: NotebookNode, student: NotebookNode) -> list[str]:
-    """Lines written only in solution cells (not shared with the scaffold) that appear in the
-    student copy."""
-    public: set[str] = set()
-    secret: set[str] = set()
-    for cell in source.cells:
-        lines = {ln.strip() for ln in cell.source.splitlines() if len(ln.strip()) > 3}
-        (secret if SOLUTION_TAG in cell_tags(cell) else public).update(lines)
-    secret -= public
-    student_text = "\n".join(c.source for c in student.cells)
-    student_lines = {ln.strip() for ln in student_text.splitlines()}
-    return sorted(secret & student_lines)
 
 
 def index_html(pages: list[PageResult], cfg: HandoutConfig, out: Path) -> str:
@@ -221,7 +168,9 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
         folder.mkdir(parents=True)
     pages, executed = [], []
     mathjax = ship_mathjax(html_dir / "mathjax")
-    for path in find_notebooks(cfg.notebooks, cfg.only):
+    for path in sorted(cfg.notebooks.iterdir()):
+        if not _NOTEBOOK_NAME.match(path.name) or (cfg.only and path.name[:2] not in cfg.only):
+            continue
         nb = nbformat.read(path, as_version=4)
         page = PageResult(path.name, notebook_title(nb, path.stem), parse_runtime(nb))
         pages.append(page)

@@ -1,8 +1,6 @@
-"""Executing notebooks and rendering them for handouts: HTML pages, and a PDF printed by
-Debian's Chromium through Playwright (nbconvert's ``WebPDFExporter`` launches only Playwright's
-own downloaded browser, and nothing may be downloaded on the course machines). Formulas are
-typeset by Debian's MathJax 2 (``libjs-mathjax``), copied next to the pages so that a handout
-folder works without internet.
+"""Executing notebooks and rendering them for handouts: HTML pages with Debian's MathJax copied
+beside them (offline), and a PDF printed by Debian's Chromium through Playwright (nbconvert's
+``WebPDFExporter`` would download a browser).
 """
 
 from __future__ import annotations
@@ -24,22 +22,19 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 FROM_WIDGET = "grpo_nb_from_widget"  # output metadata flag: this output was inside a widget
 LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax/MathJax.js")
 MATHJAX_CONFIG = "TeX-AMS_CHTML-full,Safe"  # nbconvert's own choice for its CDN copy
-# What MATHJAX_CONFIG loads in a browser (TeX in, CommonHTML out, its web fonts), a small part
-# of the package.
+# What MATHJAX_CONFIG loads in a browser (TeX in, CommonHTML out, its web fonts)
 MATHJAX_PARTS = ("MathJax.js", "config/TeX-AMS_CHTML-full.js", "config/Safe.js", "extensions",
                  "jax/input/TeX", "jax/output/CommonHTML", "jax/element",
                  "fonts/HTML-CSS/TeX/woff", "localization/en")
-# Playwright adds --headless and the profile folder itself. Background networking, component
-# updates and sync would try to reach Google from a machine without internet and stall loads.
-# --no-sandbox: as root in a container, Chromium's sandbox cannot start.
+# Offline: background networking, component updates and sync would stall page loads; root in a
+# container: Chromium's sandbox cannot start.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
 
 
 def execute(nb: NotebookNode, cwd: Path, full: bool, timeout_s: int) -> tuple[str | None, float]:
-    """Run ``nb`` in place in its folder, as nbmake does; ``(error or None, seconds)``. A failing
-    notebook keeps its outputs up to the failure, so its page shows what went wrong."""
+    """Run ``nb`` in place in its folder; ``(error or None, seconds)`` (outputs kept on failure)."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from nbconvert.filters import strip_ansi
@@ -104,8 +99,7 @@ def _flatten_outputs(outputs: list[Any], state: dict[str, Any], depth: int) -> l
 
 
 def flatten_widgets(nb: NotebookNode) -> NotebookNode:
-    """Replace widget views by the outputs they showed when the notebook finished: a page would
-    otherwise need the widget manager from a CDN to draw anything inside a widget."""
+    """Replace widget views by the outputs they showed (no widget manager from a CDN needed)."""
     out = copy.deepcopy(nb)
     state = out.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     for cell in out.cells:
@@ -116,9 +110,7 @@ def flatten_widgets(nb: NotebookNode) -> NotebookNode:
 
 
 def ship_mathjax(dest: Path, source: Path = LOCAL_MATHJAX.parent) -> str:
-    """Copy MathJax's browser files into ``dest``; return the relative URL a page next to
-    ``dest`` loads it by (the folder can be moved or zipped with the pages). A missing MathJax
-    raises: a handout that silently needs the internet is worse."""
+    """Copy MathJax's browser files into ``dest``; the relative URL pages load it by."""
     if not (source / "MathJax.js").is_file():
         raise FileNotFoundError(f"no MathJax at {source}: apt-get install libjs-mathjax "
                                 "(make system-deps does it)")
@@ -134,8 +126,7 @@ def ship_mathjax(dest: Path, source: Path = LOCAL_MATHJAX.parent) -> str:
 
 
 def render_html(nb: NotebookNode, mathjax_url: str | None, template: str = "lab") -> str:
-    """One self-contained page (images and CSS inline) loading MathJax from ``mathjax_url``
-    (nbconvert's CDN when None)."""
+    """One self-contained page loading MathJax from ``mathjax_url`` (None: nbconvert's CDN)."""
     from nbconvert import HTMLExporter
 
     extra = {"mathjax_url": mathjax_url} if mathjax_url else {}
@@ -153,8 +144,7 @@ def chromium_executable() -> str:
 
 
 def print_pdf(html_path: Path, pdf_path: Path) -> None:
-    """Print an HTML file to PDF with the system Chromium, headless and offline, once MathJax
-    (if it loaded) has typeset the formulas."""
+    """Print an HTML file to PDF with the system Chromium, once MathJax has typeset it."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 

@@ -1,7 +1,5 @@
-"""The LLM GRPO ring's four stages on :mod:`grpo_nb.ring`'s skeleton, like
-:mod:`grpo_nb.toy.actors`; each hop carries one :class:`~grpo_nb.llm.data.Group`. Credits:
-``mode="async"`` keeps ``1 + max_ahead`` steps' worth of groups issued (generation overlaps
-training), ``mode="sync"`` one step's worth, issued once the last step's weights are served.
+"""The LLM GRPO ring's four stages on :mod:`grpo_nb.ring`'s skeleton; each hop carries one
+:class:`~grpo_nb.llm.data.Group`.
 """
 
 from __future__ import annotations
@@ -16,17 +14,17 @@ from typing import Any
 import torch
 
 from grpo_nb import grpo, tasks
-from grpo_nb.actors import current_rank, endpoint
+from grpo_nb.actors import endpoint
 from grpo_nb.llm import placement
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, RingSpec
 from grpo_nb.llm.policy import PolicyTrainer, completion_logprobs, load_policy
 from grpo_nb.llm.rollouts import greedy_accuracy, reward_group, sample_group
-from grpo_nb.ring import Relay, RingError, Sink, Source, cancel_task, share
+from grpo_nb.ring import Relay, RingError, Sink, Source, cancel_task
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient, policy_salt
 from grpo_nb.weight_sync import WeightSyncer
 
-__all__ = ["Generator", "Reference", "Scorer", "Trainer", "admit", "share"]
+__all__ = ["Generator", "Reference", "Scorer", "Trainer", "admit"]
 
 
 def admit(step: int, group_version: int, max_staleness: int) -> bool:
@@ -41,30 +39,20 @@ def _client(spec: RingSpec, max_in_flight: int, timeout_s: float) -> Completions
 
 
 class Generator(Source):
-    """Samples groups from the vLLM server, as many as the trainer's credits allow. A failed
-    request (a prompt over the context length, a 5xx, a timeout) is counted and another prompt
-    drawn; more than ``error_budget`` failures end the run with the last one's message."""
+    """Samples groups from the vLLM server as credits allow; a failed request is counted and
+    another prompt drawn, until more than ``error_budget`` fail."""
 
     quiet_cancel = True  # cancelled mid-request at drain: the HTTP client may complain
 
     def __init__(self, cfg: LLMConfig, spec: RingSpec, out: Any, metrics: Any) -> None:
         self.cfg, self.spec, self.out = cfg, spec, out
-        self.rank = current_rank().rank
-        self.attach(metrics, f"gen{self.rank}")
+        self.open_credits(cfg.generators, metrics)
         self.rng = random.Random(cfg.seed * 1009 + self.rank)
-        self.version = self.allowed = self.made = self.failed = self.aborted = 0
-        self.changed = asyncio.Event()
+        self.failed = self.aborted = 0
 
     @endpoint
     async def start(self) -> None:
         self.launch(self._produce())
-
-    @endpoint
-    async def progress(self, version: int, issued: int) -> None:
-        """The trainer's weight version, and how many groups the ring may have issued."""
-        self.version = version
-        self.allowed = share(issued, self.rank, self.cfg.generators)
-        self.changed.set()
 
     async def _produce(self) -> None:
         slots = max(1, self.cfg.max_inflight // self.cfg.group_size)
@@ -72,18 +60,7 @@ class Generator(Source):
         running: set[asyncio.Task] = set()
         try:
             while True:
-                while self.made >= self.allowed or len(running) >= slots:
-                    self.changed.clear()
-                    waiter = asyncio.ensure_future(self.changed.wait())
-                    try:
-                        done, _ = await asyncio.wait([waiter, *running],
-                                                     return_when=asyncio.FIRST_COMPLETED)
-                    finally:  # also when cancelled: no pending task left behind
-                        waiter.cancel()
-                    for t in done & running:
-                        running.discard(t)
-                        t.result()  # over the error budget: ends the generator (and the run)
-                self.made += 1
+                await self.credit(running, slots)  # a group over the error budget raises here
                 running.add(asyncio.create_task(self._one_group(client, self.made)))
         finally:
             for t in running:
@@ -96,7 +73,7 @@ class Generator(Source):
         while True:
             try:
                 group = await sample_group(client, self.rng.choice(self.spec.prompts), self.cfg,
-                                           lambda: self.version, group_id=group_id,
+                                           lambda: self.trainer_version, group_id=group_id,
                                            source=self.name, on_abort=self._aborted)
                 break
             except CompletionError as err:
@@ -123,12 +100,9 @@ class Generator(Source):
 
 
 class Scorer(Relay):
-    """Rewards every completion with ``cfg.reward`` (``"auto"``: the task's answer check),
-    then sets the group's advantages (``cfg.adv_scale``)."""
+    """Rewards every completion with ``cfg.reward``, then sets the group's advantages."""
 
-    name = "scorer"
-    sender = "the generators"
-    label = "score"
+    name, label, sender = "scorer", "score", "the generators"
 
     def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
         self.cfg = cfg
@@ -149,8 +123,7 @@ class Scorer(Relay):
 class Reference(Relay):
     """Adds the frozen base model's log-probs of each completion (only when ``kl_coef > 0``)."""
 
-    name = "reference"
-    sender = "scorer"
+    name, sender = "reference", "scorer"
 
     def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
         self.cfg = cfg
@@ -172,13 +145,10 @@ class Reference(Relay):
 
 
 class Trainer(Sink):
-    """Admits fresh groups, steps the policy, pushes weights, evaluates, checkpoints. The torch
-    work (:class:`~grpo_nb.llm.policy.PolicyTrainer`) and the sync run in worker threads, so
-    the event loop keeps receiving groups meanwhile; more than ``error_budget`` non-finite
-    (skipped) steps end the run."""
+    """Admits fresh groups, steps the policy, pushes weights and credits, evaluates, checkpoints;
+    the torch work and the sync run in threads, so groups keep arriving meanwhile."""
 
-    name = "trainer"
-    sender = "reference"  # the stage that feeds the inlet
+    name, sender = "trainer", "reference"
     timeout_field = "LLMConfig.finish_timeout_s"
     quiet_cancel = True  # cancelled while a worker thread computes
 
@@ -212,16 +182,17 @@ class Trainer(Sink):
         """Finish the current step, then drain, sync, evaluate and checkpoint."""
         self.stopping.set()
 
-    def _progress(self, generators: Any) -> None:
-        generators.progress.broadcast(self.pt.version, self.issued)
+    def _credit(self, generators: Any, issued: int) -> None:
+        """Let the ring have issued ``issued`` groups in all: the generators' credits."""
+        self.issued = issued
+        generators.progress.broadcast(self.pt.version, issued)
 
     async def _train(self, generators: Any) -> None:
         cfg = self.cfg
         await self._sync(verify=True)  # the server starts from the base model: align + check
         await self._eval()
         outstanding = (1 + (cfg.max_ahead if cfg.mode == "async" else 0)) * cfg.prompts_per_step
-        self.issued = outstanding
-        self._progress(generators)
+        self._credit(generators, outstanding)
         t0 = time.time()
         self.deadline = None if cfg.time_budget_s is None else t0 + cfg.time_budget_s
         while self.pt.step_count < cfg.steps and not self.stopping.is_set():
@@ -233,8 +204,7 @@ class Trainer(Sink):
             self.busy.add("train", start)
             if "skipped" in row:  # non-finite: weights unchanged, nothing to sync
                 self._skipped(row)
-                self.issued = self.received + outstanding
-                self._progress(generators)
+                self._credit(generators, self.received + outstanding)
                 continue
             now = time.time()
             row.update(staleness=[self.pt.step_count - 1 - g.policy_version for g in groups],
@@ -243,8 +213,7 @@ class Trainer(Sink):
             self.report("step", **row)
             if self.pt.step_count % cfg.sync_every == 0:
                 await self._sync()
-            self.issued = self.received + outstanding
-            self._progress(generators)
+            self._credit(generators, self.received + outstanding)
             if self.pt.step_count % cfg.eval_every == 0:
                 await self._eval()
             if self.pt.step_count % cfg.checkpoint_every == 0:
@@ -260,10 +229,8 @@ class Trainer(Sink):
                             f"last: {row['skipped']} at step {row['step'] + 1}")
 
     async def _collect(self, generators: Any) -> list[Group] | None:
-        """One step's admitted groups; ``None`` as soon as a stop is requested or the time
-        budget is spent (also while stale groups are being dropped). A receive pending then is
-        never cancelled (the group it takes would be lost): it stays in ``next_msg`` for
-        :meth:`_finish`."""
+        """One step's admitted groups, or ``None`` once a stop or the time budget comes; a receive
+        then pending stays in ``next_msg`` for :meth:`_drain` (cancelling it could lose a group)."""
         groups: list[Group] = []
         while len(groups) < self.cfg.prompts_per_step:
             left = None if self.deadline is None else self.deadline - time.time()
@@ -287,8 +254,7 @@ class Trainer(Sink):
                 groups.append(group)
                 continue
             self.dropped += 1
-            self.issued += 1  # replace it, or the step would wait forever
-            self._progress(generators)
+            self._credit(generators, self.issued + 1)  # replace it, or the step never fills
             self.report("dropped", step=self.pt.step_count,
                         staleness=self.pt.step_count - group.policy_version, total=self.dropped)
         return groups
@@ -342,8 +308,7 @@ class Trainer(Sink):
                     steps=self.pt.step_count)
 
     async def _drain(self, generators: Any) -> int:
-        """Drain the generators, then read to the end of the stream (each wait bounded by
-        ``finish_timeout_s``): how many groups were left unused."""
+        """Drain the generators, read to the end of the stream; how many groups were left unused."""
         await self.drain_sources(generators, self.cfg.generators)
         pending, self.next_msg = self.next_msg, None
         first = await self.recv_within("the end of the stream", pending)

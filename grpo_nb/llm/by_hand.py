@@ -1,8 +1,5 @@
-"""One GRPO step taken apart (notebook 05): the aligned batch, a loss checker, the server's view.
-
-A causal LM's logits at position ``t`` predict token ``t + 1``, so every per-token tensor of the
-loss is ``[B, L-1]`` and completion token ``k`` of a prompt of length ``p`` sits at column
-``p - 1 + k``. Everything here reads :func:`grpo_nb.llm.policy.make_batch`'s output.
+"""One GRPO step taken apart (notebook 05): the aligned batch (completion token ``k`` of a
+length-``p`` prompt sits at column ``p - 1 + k``), a loss checker, the server's log-probs.
 """
 
 from __future__ import annotations
@@ -69,8 +66,7 @@ def _cases(seed: int = 0) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.T
 
 
 def token_loss_problems(fn: LossFn, *, clip: float = 0.2) -> list[str]:
-    """Where ``fn(logp, old, adv, mask)`` differs from :func:`grpo.policy_loss` (token-mean,
-    symmetric ``clip``, no KL), in value or in gradient; empty when it agrees."""
+    """Where ``fn(logp, old, adv, mask)`` differs from :func:`grpo.policy_loss` in value or gradient."""
     problems = []
     for name, logp, old, adv, mask in _cases():
         mine_in, ref_in = logp.clone().requires_grad_(), logp.clone().requires_grad_()
@@ -95,9 +91,7 @@ def token_loss_problems(fn: LossFn, *, clip: float = 0.2) -> list[str]:
 
 
 def served_logprobs(syncer: Any, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
-    """The server's log-prob of each completion token, scored as a prompt with the weights it
-    serves now (:meth:`~grpo_nb.weight_sync.client.VLLMControlClient.prompt_logprobs`); one
-    float64 tensor per rollout."""
+    """The server's log-prob of each completion token under the weights it serves now."""
     rows = syncer.client.prompt_logprobs([list(r.prompt_ids) + list(r.completion_ids)
                                           for r in rollouts])
     return [torch.tensor(row[len(r.prompt_ids) - 1:], dtype=torch.float64)

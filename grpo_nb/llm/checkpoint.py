@@ -1,7 +1,5 @@
-"""Checkpoints that survive a crash at any moment: each is written to a folder of its own,
-fsynced, then ``runs/<name>/checkpoint`` (a symbolic link) is switched to it with one atomic
-rename; older folders are removed only after that. :func:`resolve` also finds the newest
-complete folder when the link is missing (a copy that did not keep links).
+"""Checkpoints that survive a crash at any moment: each folder is written and fsynced, then the
+``checkpoint`` link is switched to it by one atomic rename, and only then are older ones removed.
 """
 
 from __future__ import annotations
@@ -19,20 +17,13 @@ import torch
 STATE = "trainer_state.json"  # written last: its presence marks a complete folder
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with path.open("rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync(*paths: Path) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)  # a file or a folder (its entries)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def save(folder: Path | str, model: Any, tokenizer: Any, optimizer: Any,
@@ -47,7 +38,7 @@ def save(folder: Path | str, model: Any, tokenizer: Any, optimizer: Any,
     tokenizer.save_pretrained(tmp)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / STATE).write_text(json.dumps(state, indent=1))
-    _fsync_tree(tmp)
+    _fsync(*(p for p in tmp.rglob("*") if p.is_file()), tmp)
     final = link.parent / name
     tmp.rename(final)
     staged = link.parent / f"{link.name}.tmp-link"
@@ -55,7 +46,7 @@ def save(folder: Path | str, model: Any, tokenizer: Any, optimizer: Any,
         staged.unlink()
     staged.symlink_to(name)  # relative: the run folder can be moved
     os.replace(staged, link)  # the atomic switch
-    _fsync_dir(link.parent)
+    _fsync(link.parent)
     for old in link.parent.glob("ckpt-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)

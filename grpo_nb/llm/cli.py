@@ -1,58 +1,45 @@
-"""``python -m grpo_nb train [--smoke] [--model M] [--dataset D] [--set FIELD=VALUE ...]``: a
-headless LLM GRPO run with a progress bar, a dashboard PNG and its JSON summary as the last line.
-``--set`` takes any LLMConfig field (``sync.FIELD`` too), read by the field's type
-(``--set tis_cap=none``, ``--set chat_template_kwargs='{"enable_thinking": true}'``).
+"""``python -m grpo_nb train``: a headless LLM GRPO run (progress bar, dashboard PNG, JSON
+summary last); ``--set FIELD=VALUE`` takes any LLMConfig field, read by the field's type.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
-import types
 import typing
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from grpo_nb.config import smoke_mode
+import pydantic
+
+from grpo_nb.config import preset, smoke_mode
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.weight_sync import WeightSyncConfig
 
-_NONE = {"none", "null"}
-
 
 def _convert(cls: type, name: str, raw: str) -> Any:
-    """``raw`` read as ``cls``'s field ``name`` (by its annotation); errors name the field."""
+    """``raw`` read as ``cls``'s field ``name`` by its annotation (JSON first, then pydantic's
+    lax rules for text: ``yes``, ``1e-5``); errors name the field."""
     hints = typing.get_type_hints(cls)
     if name not in hints:
         raise ValueError(f"--set {name}=…: {cls.__name__} has no field {name!r} (fields: "
                          f"{', '.join(f.name for f in fields(cls))})")
-    hint = hints[name]
-    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) \
-        else (hint,)
-    if type(None) in args and raw.strip().lower() in _NONE:
-        return None
-    for kind in (a for a in args if a is not type(None)):
-        origin = typing.get_origin(kind) or kind
-        try:
-            if origin is bool:
-                if raw.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-                    return raw.lower() in ("true", "1", "yes", "on")
-            elif origin in (int, float):
-                return origin(raw)
-            elif origin is dict:
-                value = json.loads(raw)
-                if isinstance(value, dict):
-                    return value
-            else:  # str, Literal, Any: the text itself (validated by the config)
-                return raw
-        except ValueError:
-            continue
-    shown = getattr(hint, "__name__", str(hint))
-    raise ValueError(f"--set {name}={raw!r}: {cls.__name__}.{name} expects {shown}")
+    hint, value = hints[name], None if raw.strip().lower() in ("none", "null") else raw
+    if hint is Any:  # the config validates it
+        return raw
+    adapter = pydantic.TypeAdapter(hint)
+    with contextlib.suppress(pydantic.ValidationError):
+        return adapter.validate_json(raw)
+    try:
+        return adapter.validate_python(value)
+    except pydantic.ValidationError:
+        shown = getattr(hint, "__name__", str(hint))
+        raise ValueError(f"--set {name}={raw!r}: {cls.__name__}.{name} expects {shown}") from None
 
 
 def apply_sets(cfg: LLMConfig, assignments: list[str]) -> LLMConfig:
@@ -98,14 +85,12 @@ def parse_config(argv: list[str]) -> tuple[argparse.Namespace, LLMConfig, bool]:
     parser.add_argument("--name", help="run folder name under runs/")
     args = parser.parse_args(argv)
     smoke = args.smoke or smoke_mode()
-    cfg = LLMConfig.smoke() if smoke else LLMConfig()
+    cfg = preset(LLMConfig, smoke)
     if args.resume:
         cfg = LLMConfig(**json.loads((Path(args.resume) / "config.json").read_text()))
-    changes: dict[str, Any] = {}
-    for key, value in (("mode", args.mode), ("steps", args.steps), ("model", args.model),
-                       ("dataset", args.dataset), ("time_budget_s", args.time_budget)):
-        if value is not None:
-            changes[key] = value
+    changes = {key: value for key, value in (
+        ("mode", args.mode), ("steps", args.steps), ("model", args.model),
+        ("dataset", args.dataset), ("time_budget_s", args.time_budget)) if value is not None}
     sets = list(args.set)
     if args.transport:
         sets.append(f"sync.transport={args.transport}")

@@ -1,7 +1,5 @@
-"""The LLM ring's configuration: one dataclass (saved as ``runs/<name>/config.json``),
-validated at construction with errors that name the field, with a ``smoke()`` preset.
-Fields left unset (``None`` / ``"auto"``) are resolved for the model family and precision
-(:func:`resolve_defaults`); ``cfg.defaults`` says which and why, and the run summary prints it.
+"""The LLM ring's configuration, validated at construction; fields left unset are resolved for
+the model and precision (:func:`resolve_defaults`), and ``cfg.defaults`` says which and why.
 """
 
 from __future__ import annotations
@@ -9,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from grpo_nb.grpo import LOSS_AGGS, AdvScale
+from grpo_nb.grpo import ADV_SCALES, LOSS_AGGS, AdvScale
 from grpo_nb.weight_sync import WeightSyncConfig
 
 Mode = Literal["async", "sync"]
@@ -19,14 +17,14 @@ Mode = Literal["async", "sync"]
 TINY_LR, PRETRAINED_LR = 3e-4, 1e-6
 MIXED_PRECISION_TIS_CAP = 2.0  # ratio_against="trainer" under bf16 (see resolve_defaults)
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "mode": ("async", "sync"), "loss_agg": LOSS_AGGS, "adv_scale": ("std", "none"),
+    "mode": ("async", "sync"), "loss_agg": LOSS_AGGS, "adv_scale": ADV_SCALES,
     "ratio_against": ("sampler", "trainer")}  # "auto" is resolved before the check
 _AT_LEAST: dict[str, int] = {
     "group_size": 2, "max_staleness": 0, "max_ahead": 0, "kl_coef": 0, "clip_low": 0,
     "clip_high": 0, "error_budget": 0, **dict.fromkeys(
         ("steps", "generators", "prompts_per_step", "grad_accum", "num_iterations", "sync_every",
          "verify_every", "max_tokens", "eval_every", "eval_size", "trainer_threads",
-         "checkpoint_every"), 1)}
+         "checkpoint_every", "max_prompt_len"), 1)}
 _POSITIVE = ("lr", "temperature", "time_budget_s", "finish_timeout_s", "max_grad_norm",
              "tis_cap")
 # What each defaulted field holds before it is resolved (LLMConfig.replace re-resolves them).
@@ -36,20 +34,11 @@ UNSET: dict[str, Any] = {"max_tokens": None, "lr": None, "ratio_against": "auto"
 
 @dataclass
 class LLMConfig:
-    """Sizes, schedule and objective of the LLM GRPO ring (defaults: the full CPU run).
-
-    Schedule: async (generation overlaps training) or sync; ``max_ahead`` steps' worth of
-    groups issued beyond the current step; groups more than ``max_staleness`` versions old are
-    dropped; weights pushed every ``sync_every`` steps, proven served every ``verify_every``
-    syncs; ``error_budget`` failed requests or non-finite steps tolerated.
-    Objective: ``adv_scale`` "std" (GRPO) or "none" (Dr. GRPO); the loss fields are
-    :func:`grpo.policy_loss`'s. ``ratio_against``: ``sampler`` takes vLLM's log-probs as the
-    old policy, ``trainer`` recomputes them (needs ``tis_cap``); ``auto``: ``trainer`` under
-    bf16 (trainer and server round differently), else ``sampler``.
-    Data: ``model`` a folder or hub id (``None``: the tiny model); ``dataset``, ``reward``:
-    :mod:`grpo_nb.tasks`; prompts over ``max_prompt_len`` tokens are left out.
-    Placement: ``auto`` = CUDA + bf16 when present, else CPU + fp32.
-    """
+    """Sizes, schedule and objective of the LLM GRPO ring (defaults: the full CPU run); the loss
+    fields are :func:`grpo.policy_loss`'s. ``mode="async"`` keeps ``1 + max_ahead`` steps' worth
+    of groups issued, ``"sync"`` one; groups over ``max_staleness`` versions old are dropped.
+    ``ratio_against``: ``sampler`` takes vLLM's log-probs as the old policy, ``trainer``
+    recomputes them (with ``tis_cap``)."""
 
     mode: Mode = "async"
     steps: int = 400
@@ -98,9 +87,14 @@ class LLMConfig:
     sync: WeightSyncConfig = field(default_factory=lambda: WeightSyncConfig(pause_mode="none"))
 
     def __post_init__(self) -> None:
+        from grpo_nb.llm.placement import check_placement
+        from grpo_nb.tasks import check_task_fields
+
         if isinstance(self.sync, dict):
             self.sync = WeightSyncConfig(**self.sync)
-        self._check_model_and_data()
+        check_task_fields(self)
+        check_placement(self)
+        self.defaults = resolve_defaults(self)
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"LLMConfig.{name}={getattr(self, name)!r}: use one of {choices}")
@@ -143,14 +137,6 @@ class LLMConfig:
                 "LLMConfig.ratio_against='trainer' needs tis_cap: the ratio is then exactly 1, "
                 "and only the truncated importance weight min(pi_trainer / pi_sampler, tis_cap) "
                 "corrects for stale samples. Set tis_cap (e.g. 2.0) or use ratio_against='sampler'")
-
-    def _check_model_and_data(self) -> None:
-        from grpo_nb.llm.placement import check_placement
-        from grpo_nb.tasks import check_task_fields
-
-        check_task_fields(self)
-        check_placement(self)
-        self.defaults = resolve_defaults(self)
 
     @classmethod
     def smoke(cls) -> LLMConfig:

@@ -1,10 +1,6 @@
-"""A cost model of one GRPO step, checked against a run's own metric rows (notebook 05 §7).
-
-Per step the ring generates (G), trains (T) and syncs (S). Sync mode: G + T + S. Async mode
-overlaps generation with training: max(G, T) + S when a sync pauses the server, and
-max(G + S_server, T + S) when it does not (``pause_mode="none"``: the engine stops only for the
-update, ``S_server``). Only ``step``, ``sync``, ``eval`` and ``skipped`` rows are read, so a
-recorded run (``busy`` rows trimmed) gives the same numbers as the live one.
+"""A cost model of one GRPO step (generate G, train T, sync S), checked against a run's own
+metric rows: sync mode G + T + S; async max(G, T) + S, or max(G + S_server, T + S) when a sync
+does not pause the server. ``busy`` rows are not read, so a recorded run gives the same numbers.
 """
 
 from __future__ import annotations
@@ -23,11 +19,8 @@ SERVER_PHASES = ("start", "wait", "load", "finish")  # a sync's phases inside th
 
 @dataclass(frozen=True)
 class StepPhases:
-    """Mean per-step times (seconds) over a run's steady steps: ``step`` between consecutive
-    step rows = ``wait`` + ``train`` + ``sync``. ``generate`` runs from the first request of a
-    step's groups until the trainer had them all (G only in sync mode: in async mode they
-    were requested earlier and waited in a queue); ``server_sync`` is the part of ``sync``
-    the server's engine spent on the update."""
+    """Mean per-step seconds over a run's steady steps (``step`` = ``wait`` + ``train`` +
+    ``sync``); ``generate``: first request to last group in (G in sync mode only)."""
 
     steps: int
     step: float
@@ -54,8 +47,7 @@ class Prediction:
 
 def _steady(rows: Iterable[Row], checkpoint_every: int | None
             ) -> Iterator[tuple[Row, Row, list[Row]]]:
-    """Each steady step as (previous step row, its step row, the rows between them); an
-    interval holding an eval, a skipped step or a checkpoint is not steady."""
+    """Each steady step (no eval, skip or checkpoint) as (previous row, its row, rows between)."""
     rows = sorted((r for r in rows if r["kind"] in _KINDS), key=lambda r: r["t"])
     steps = [r for r in rows if r["kind"] == "step"]
     for prev, cur in zip(steps, steps[1:], strict=False):
@@ -69,8 +61,7 @@ def _steady(rows: Iterable[Row], checkpoint_every: int | None
 
 def steady_intervals(rows: Iterable[Row], checkpoint_every: int | None = None
                      ) -> list[dict[str, float]]:
-    """One dict per steady step (step 1 has no interval): ``step``, ``train``, ``sync``,
-    ``server_sync``, ``generate`` (seconds)."""
+    """One dict of seconds per steady step (``step``, ``train``, ``sync``, ``generate`` …)."""
     out: list[dict[str, float]] = []
     for prev, cur, inside in _steady(rows, checkpoint_every):
         syncs = [r for r in inside if r["kind"] == "sync"]
@@ -107,11 +98,8 @@ def step_phases(rows: Iterable[Row], checkpoint_every: int | None = None) -> Ste
 
 
 def predict(sync_run: StepPhases, *, paused: bool = True) -> Prediction:
-    """Both modes' step times from the sync run's phases, each timed alone (S is the mean sync
-    per step, so already divided by ``sync_every``). ``paused``: whether a sync stops
-    generation (every pause mode but ``"none"``). ``overlap_bound`` = (G + T + S) /
-    max(G, T + S) is the most overlap gives; batching more requests at once can beat it a
-    little."""
+    """Both modes' step times from the sync run's phases; ``paused``: a sync stops generation
+    (every pause mode but ``"none"``). ``overlap_bound`` = (G + T + S) / max(G, T + S)."""
     g, t, s, s_server = sync_run.generate, sync_run.train, sync_run.sync, sync_run.server_sync
     sync_step = g + t + s
     async_step = max(g, t) + s if paused else max(g + s_server, t + s)
@@ -130,6 +118,4 @@ def run_pause_mode(run_dir: str | Path) -> str:
 def loop_seconds(rows: Iterable[Row]) -> float:
     """The training loop's wall time, the first step's start to the last step's end."""
     steps = [r for r in rows if r["kind"] == "step"]
-    if not steps:
-        return 0.0
-    return steps[-1]["t"] - (steps[0]["t"] - steps[0]["wall_s"])
+    return steps[-1]["t"] - (steps[0]["t"] - steps[0]["wall_s"]) if steps else 0.0

@@ -1,6 +1,5 @@
-"""The LLM ring's dashboard (live in a notebook, a PNG in a terminal, re-plotted from JSONL),
-the async-vs-sync comparison, and recorded runs small enough to ship with the notebooks.
-"""
+"""The LLM ring's dashboard (live, PNG, re-plotted), the async-vs-sync comparison, and recorded
+runs small enough to ship with the notebooks."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from grpo_nb.metrics import MetricsRecorder, load_metrics
 
 def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
                window_s: float | None = 60.0) -> Figure:
-    """Nine panels: reward & accuracy, KL & clip, entropy, length, tokens/s, staleness, sync,
-    groups without signal & truncation, timeline."""
+    """The LLM run's panels (reward, KL, entropy, speed, staleness, sync …) and timeline."""
     if fig is None:
         fig = plt.figure(figsize=(16, 9), layout="constrained")
     fig.clear()
@@ -83,8 +81,7 @@ def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
 
 
 def quiet_libraries() -> None:
-    """Silence transformers' and the hub's progress bars and info logs ("Loading weights",
-    "Writing model shards") under a dashboard; errors still show."""
+    """Silence transformers' and the hub's progress bars and info logs (errors still show)."""
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as hf_logging
 
@@ -94,9 +91,7 @@ def quiet_libraries() -> None:
 
 
 class LiveDashboard(LivePlot):
-    """The dashboard in a notebook, redrawn in place, with a Stop button: ``on_event`` for
-    :func:`grpo_nb.llm.run.train`, and ``stop`` (an ``asyncio.Event``) for it to await; the
-    ring then drains, syncs, evaluates, checkpoints and returns normally."""
+    """The dashboard in a notebook, with a Stop button that sets ``stop`` (an ``asyncio.Event``)."""
 
     def __init__(self, every_s: float = 2.0, *, button: bool = True) -> None:
         import asyncio
@@ -150,9 +145,7 @@ def _rounded(value: Any) -> Any:
 
 
 def record_run(run_dir: Path | str, dest: Path | str, *, busy_window_s: float = 30.0) -> Path:
-    """Copy a finished run into ``dest`` small enough to ship (``notebooks/recorded/``): every
-    row but ``busy`` rows older than the last ``busy_window_s`` seconds, floats to 4 decimals;
-    plus ``result.json`` and ``config.json``."""
+    """Copy a run into ``dest`` small enough to ship (recent ``busy`` rows, 4-decimal floats)."""
     rows = load_metrics(run_dir).rows()
     busy_end = max((r["end"] for r in rows if r["kind"] == "busy"), default=0.0)
     kept = [{k: _rounded(v) for k, v in r.items()} for r in rows

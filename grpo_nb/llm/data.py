@@ -1,7 +1,5 @@
-"""What the LLM ring carries: the task's prompts rendered for the model (:class:`Prompt`), the
-one message every stage passes on (:class:`Group` of :class:`Rollout`), and the
-:class:`RingSpec` every actor receives besides the config. All plain data, so it pickles to
-actors on other processes (Monarch).
+"""What the LLM ring carries: rendered prompts, the :class:`Group` of :class:`Rollout` every
+stage passes on, and the :class:`RingSpec` each actor gets; plain data, so it pickles (Monarch).
 """
 
 from __future__ import annotations
@@ -38,11 +36,8 @@ class Rollout:
 
 @dataclass
 class Group:
-    """``group_size`` rollouts of one prompt: the ring's message, generator to trainer.
-
-    ``policy_version`` is the weight version the server had when the request was sent (a lower
-    bound: with pause mode ``keep`` later tokens may come from newer weights).
-    """
+    """``group_size`` rollouts of one prompt, generator to trainer; ``policy_version`` is the
+    served weight version when the request went out (a lower bound under pause mode ``keep``)."""
 
     group_id: int
     prompt: str
@@ -90,6 +85,7 @@ class TaskData:
     train: list[Prompt]
     test: list[Prompt]
     kind: str  # "arithmetic" or "math"
+    reward_default: str  # what reward "auto" means: tasks.Task.default_reward
     prompt_example: str  # the first training prompt exactly as the model sees it
     filtered: int  # prompts (train + test) longer than max_prompt_len, left out
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # what the template got
@@ -97,20 +93,14 @@ class TaskData:
 
 def render_prompts(tokenizer: Any, rows: list[dict[str, Any]], limit: int,
                    template_kwargs: dict[str, Any] | None = None) -> tuple[list[Prompt], int]:
-    """``rows`` as :class:`Prompt` (the model's chat template when it has one), leaving out
-    those longer than ``limit`` tokens; also returns how many were left out."""
-    from grpo_nb.tasks import prompt_text
+    """``rows`` rendered as :func:`grpo_nb.tasks.render_prompt` renders one, leaving out (and
+    counting) those longer than ``limit`` tokens."""
+    from grpo_nb.tasks import prompt_ids, prompt_text
 
     texts = [prompt_text(tokenizer, row, chat_template_kwargs=template_kwargs) for row in rows]
-    # tasks.render_prompt, batched: one tokenizer call for all rows
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    kept, dropped = [], 0
-    for text, ids, row in zip(texts, encoded, rows, strict=True):
-        if len(ids) > limit:
-            dropped += 1
-        else:
-            kept.append(Prompt(text, list(ids), str(row["answer"])))
-    return kept, dropped
+    kept = [Prompt(text, prompt_ids(tokenizer, text), str(row["answer"]))
+            for text, row in zip(texts, rows, strict=True)]
+    return [p for p in kept if len(p.ids) <= limit], sum(len(p.ids) > limit for p in kept)
 
 
 def load_data(tokenizer: Any, cfg: Any, smoke: bool) -> TaskData:
@@ -129,4 +119,5 @@ def load_data(tokenizer: Any, cfg: Any, smoke: bool) -> TaskData:
                          f"of {cfg.dataset!r} is longer; raise it")
     used = {**template_defaults(tokenizer), **(kwargs or {})} if has_chat_template(tokenizer) \
         else {}
-    return TaskData(train, test, task.kind, train[0].text, dropped_train + dropped_test, used)
+    return TaskData(train, test, task.kind, task.default_reward, train[0].text,
+                    dropped_train + dropped_test, used)

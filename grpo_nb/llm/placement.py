@@ -1,7 +1,5 @@
-"""Where the LLM ring runs and what it serves, derived from the config: device and dtype
-(``"auto"``: CUDA with bfloat16 when present), the weight-sync transport and tolerance for that
-device, and the vLLM server's context and KV-cache size. Checks raise ``ValueError`` naming the
-``LLMConfig`` field, before any server starts.
+"""Where the LLM ring runs and what it serves, derived from the config: device and dtype, the
+weight-sync transport and tolerance, the vLLM server's size; checks name the ``LLMConfig`` field.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from grpo_nb.partition import cuda_available
 from grpo_nb.weight_sync import WeightSyncConfig
 
 DTYPE_ATOL = {"float32": 1e-3, "bfloat16": 0.15}  # probe log-prob gap trainer vs server
@@ -49,12 +48,6 @@ def check_placement(cfg: Any) -> None:
                          "the trainer runs on the CPU: use 'gloo' or 'reload'")
 
 
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def device_of(cfg: Any) -> str:
     if cfg.device == "auto":
         return "cuda" if cuda_available() else "cpu"
@@ -70,7 +63,7 @@ def dtype_of(cfg: Any) -> str:
 def gpu_count() -> int:
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count() if cuda_available() else 0
 
 
 def trainer_device(cfg: Any) -> str:
@@ -78,13 +71,6 @@ def trainer_device(cfg: Any) -> str:
     if device_of(cfg) == "cpu":
         return "cpu"
     return f"cuda:{gpu_count() - 1}" if gpu_count() >= 2 else "cuda:0"
-
-
-def server_gpu() -> str:
-    """``CUDA_VISIBLE_DEVICES`` for a server on a GPU of its own: the first GPU this process
-    sees (an inherited mask ``"2,3"`` names physical GPUs → ``"2"``), else ``"0"``."""
-    mask = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-    return mask[0] if mask[0] else "0"
 
 
 def sync_of(cfg: Any) -> WeightSyncConfig:
@@ -126,8 +112,9 @@ def server_config(model_dir: str, cfg: Any) -> Any:
     else:
         own_gpu = gpu_count() >= 2
         scfg.gpu_memory_utilization = cfg.gpu_memory_utilization or (0.85 if own_gpu else 0.35)
-        if own_gpu:  # the trainer takes the last GPU: keep the server off it
-            scfg.env = {**scfg.env, "CUDA_VISIBLE_DEVICES": server_gpu()}
+        if own_gpu:  # the trainer takes the last GPU, the server the first this process sees
+            first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+            scfg.env = {**scfg.env, "CUDA_VISIBLE_DEVICES": first or "0"}
         if cfg.kv_cache_mb is not None:
             scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
     for key, value in sync_of(cfg).server_settings().items():

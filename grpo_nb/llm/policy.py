@@ -1,7 +1,6 @@
-"""The LLM trainer's torch work, testable without a server: loading a policy, batching
-groups, the GRPO step, checkpoints. The model holds float32 master weights (at lr 1e-6 bf16
-weights would round most updates away); ``serve_dtype`` only decides how forward and backward
-compute (bf16 autocast), and weights take it only on their way to the server.
+"""The LLM trainer's torch work, testable without a server: loading, batching, the GRPO step.
+Weights are float32 masters (bf16 would round lr-1e-6 updates away); ``serve_dtype`` only sets
+the autocast dtype and what goes to the server.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from grpo_nb import grpo
+from grpo_nb.llm import checkpoint
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Rollout
 
@@ -74,13 +74,11 @@ def completion_logprobs(model: Any, rollouts: list[Rollout], temperature: float 
 
 def load_policy(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
                 *, trainable: bool = True) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` on ``device``. A frozen model (the reference) is held in
-    ``dtype``; a trainable one in float32 (the masters). A tokenizer without a pad token pads with end-of-sequence (pads are masked out)."""
+    """``(model, tokenizer)`` on ``device``: float32 when trainable, else frozen in ``dtype``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     held = torch.float32 if trainable else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=held)
-    model = model.to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=held).to(device)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -91,9 +89,8 @@ CHANGE_SAMPLE = 1 << 24  # parameter elements compared per update (every one bel
 
 
 class ChangeMeter:
-    """The fraction of parameter elements one optimiser update changed, exactly up to
-    ``CHANGE_SAMPLE`` elements, else over every k-th element. :meth:`after` returns
-    ``(changed, sent_changed)``: the second as cast to ``send_dtype`` (what the server sees)."""
+    """The fraction of parameter elements one update changed (over every k-th beyond
+    ``CHANGE_SAMPLE``): :meth:`after` gives it as trained and as cast to ``send_dtype``."""
 
     def __init__(self, params: list[torch.Tensor], send_dtype: torch.dtype) -> None:
         self.params, self.send_dtype = params, send_dtype
@@ -119,8 +116,7 @@ class ChangeMeter:
 
 
 class PolicyTrainer:
-    """Model (float32 masters) + AdamW; one GRPO step at a time, computing in the server's
-    dtype ``serve_dtype`` (:meth:`autocast`)."""
+    """Model (float32 masters) + AdamW; one GRPO step at a time under :meth:`autocast`."""
 
     def __init__(self, model: Any, tokenizer: Any, cfg: LLMConfig) -> None:
         from grpo_nb.llm.placement import dtype_of
@@ -152,12 +148,8 @@ class PolicyTrainer:
                               enabled=self.serve_dtype == torch.bfloat16)
 
     def step(self, groups: list[Group]) -> dict[str, Any]:
-        """``num_iterations`` optimiser updates on ``groups`` (``grad_accum`` micro-batches
-        each); returns the last update's metrics row.
-
-        A non-finite loss or gradient norm ends the step's updates; if it hit the first, the
-        step is not taken (weights and ``step_count`` unchanged) and the row says ``skipped``.
-        """
+        """``num_iterations`` updates on ``groups`` (``grad_accum`` micro-batches each); the
+        metrics row. A non-finite first update skips the step (the row says ``skipped``)."""
         cfg = self.cfg
         per_micro = max(1, len(groups) // cfg.grad_accum)
         micro = [groups[i:i + per_micro] for i in range(0, len(groups), per_micro)]
@@ -258,16 +250,12 @@ class PolicyTrainer:
 
     def save(self, folder: Path | str, extra: dict[str, Any] | None = None) -> Path:
         """Write model (HF format), optimizer and counters; ``folder`` then names them."""
-        from grpo_nb.llm import checkpoint
-
         state = {"step": self.step_count, "version": self.version,
                  "skipped_steps": self.skipped, **(extra or {})}
         return checkpoint.save(folder, self.model, self.tokenizer, self.opt, state)
 
     def load(self, folder: Path | str) -> dict[str, Any]:
         """Restore a :meth:`save` folder into this trainer; returns its saved counters."""
-        from grpo_nb.llm import checkpoint
-
         saved = checkpoint.load(folder, self.model, self.opt)
         self.step_count = int(saved["step"])
         self.skipped = int(saved.get("skipped_steps", 0))

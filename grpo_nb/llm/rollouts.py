@@ -1,19 +1,15 @@
-"""Sampling a group from the vLLM server, the one way the ring's Generator, notebook 04 and
-``python -m grpo_nb rollouts`` all do it: one request with ``n = group_size`` (the server
-shares the prompt's prefill), version-salted, resampled when a sync aborts it. Rewards are
-the Scorer's (:func:`reward_group`); advantages are :func:`grpo_nb.grpo.group_advantages`.
-Also the trainer's held-out evaluation, greedy through the same server.
+"""Sampling a group from the vLLM server, the one way the ring, notebook 04 and ``python -m
+grpo_nb rollouts`` do it (one request with ``n = group_size``); rewards; held-out evaluation.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,10 +23,8 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 def sampling_request(cfg: LLMConfig, version: int, seed: int | None = None) -> dict[str, Any]:
-    """One group's request options. The trainer's log-probs are the full softmax at
-    ``cfg.temperature``, so nothing truncates the sampler's: ``top_p`` 1, and the client sends
-    every other sampling field at its neutral value. The salt keeps vLLM from reusing prompt
-    KV that other weights computed (:func:`~grpo_nb.serving.client.policy_salt`)."""
+    """One group's request: ``top_p`` 1, as the trainer's log-probs are the full softmax, and
+    salted so that vLLM never reuses prompt KV that other weights computed."""
     return {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": 1.0,
             "n": cfg.group_size, "cache_salt": policy_salt(version),
             **({} if seed is None else {"seed": seed})}
@@ -40,10 +34,8 @@ async def sample_group(client: CompletionsClient, prompt: Prompt, cfg: LLMConfig
                        version: Callable[[], int] = lambda: 0, *, group_id: int = 0,
                        source: str = "", seed: int | None = None,
                        on_abort: Callable[[], None] | None = None) -> Group:
-    """``cfg.group_size`` completions of ``prompt``, unscored; ``version()`` is the served
-    weight version when the request goes out. A group with a sample cut short by a sync
-    (``pause_mode="abort"``) is not a sample of one policy: it is dropped (``on_abort``) and
-    sampled again. A failed request raises :class:`~grpo_nb.serving.client.CompletionError`."""
+    """``cfg.group_size`` completions of ``prompt``, unscored; ``version()`` is the served weight
+    version. A group a sync cut short is not one policy's: it is sampled again (``on_abort``)."""
     while True:
         v, start = version(), time.time()
         outs = await client.complete(prompt.ids, **sampling_request(cfg, v, seed))
@@ -70,8 +62,7 @@ def reward_group(group: Group, reward: Callable[[str, str], float]) -> Group:
 async def sample_groups(client: CompletionsClient, prompts: Sequence[Prompt], cfg: LLMConfig,
                         *, reward: Callable[[str, str], float] | None = None,
                         seed: int | None = None) -> list[Group]:
-    """A group per prompt, all in flight at once (the client bounds the requests), in the
-    order of ``prompts``; rewarded when ``reward`` is given. One failure cancels the rest."""
+    """A group per prompt, all in flight at once, in order; rewarded when ``reward`` is given."""
     tasks = [asyncio.ensure_future(sample_group(
         client, p, cfg, group_id=i, seed=None if seed is None else seed + i * cfg.group_size))
         for i, p in enumerate(prompts)]
@@ -89,10 +80,7 @@ def flatten(groups: Sequence[Group]) -> list[Rollout]:
 
 
 def logprob_agreement(model: Any, groups: Sequence[Group]) -> dict[str, float]:
-    """vLLM's sampler log-probs against ``model``'s at ``temperature`` 1, token by token.
-
-    The servers report log-probs after temperature (``processed_logprobs``), so sample at
-    ``temperature=1`` to compare."""
+    """vLLM's sampler log-probs against ``model``'s, token by token (sample at temperature 1)."""
     from grpo_nb.llm.policy import completion_logprobs
 
     rollouts = flatten(groups)
@@ -116,20 +104,17 @@ def summarize(groups: Sequence[Group], seconds: float) -> dict[str, Any]:
 
 @dataclass
 class EvalResult:
-    """Greedy accuracy on the held-out prompts, with a few samples to show."""
+    """Greedy accuracy on the held-out prompts."""
 
     accuracy: float
     n: int
     truncated: int  # completions that hit max_tokens (scored wrong)
-    samples: list[tuple[str, str, bool]] = field(default_factory=list)  # (text, answer, ok)
 
 
 async def greedy_accuracy(client: Any, prompts: Sequence[Prompt],
                           checker: Callable[[str, str], float], max_tokens: int, *,
-                          batch: int = 64, keep_samples: int = 3,
-                          cache_salt: str | None = None) -> EvalResult:
-    """Held-out accuracy the way the policy is used: greedy samples (``batch`` prompts a
-    request), scored by the task's answer check, a completion cut at ``max_tokens`` wrong."""
+                          batch: int = 64, cache_salt: str | None = None) -> EvalResult:
+    """Held-out accuracy of greedy samples (``batch`` prompts a request), a truncated one wrong."""
     if not prompts:
         return EvalResult(float("nan"), 0, 0)
 
@@ -144,17 +129,12 @@ async def greedy_accuracy(client: Any, prompts: Sequence[Prompt],
     parts = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     results = await asyncio.gather(*(chunk(p) for p in parts))
     correct = truncated = 0
-    samples: list[tuple[str, str, bool]] = []
     for prompt, out in zip(prompts, (o for outs in results for o in outs), strict=True):
         if out.prompt_token_ids is not None and list(out.prompt_token_ids) != list(prompt.ids):
             raise RuntimeError("evaluation: completions came back out of prompt order")
-        stopped = out.finish_reason == "stop"
         truncated += out.finish_reason == "length"
-        ok = stopped and checker(out.text, prompt.answer) >= 1.0
-        correct += ok
-        if len(samples) < keep_samples:
-            samples.append((out.text, prompt.answer, ok))
-    return EvalResult(correct / len(prompts), len(prompts), truncated, samples)
+        correct += out.finish_reason == "stop" and checker(out.text, prompt.answer) >= 1.0
+    return EvalResult(correct / len(prompts), len(prompts), truncated)
 
 
 # ── python -m grpo_nb rollouts ──
@@ -182,8 +162,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def plan(args: argparse.Namespace) -> LLMConfig:
-    """The config (the one source of ``max_tokens`` and of the server's context length, as in
-    training); ``--groups`` test prompts are sampled."""
+    """The config, as in training: the one source of ``max_tokens`` and the context length."""
     from grpo_nb import tiny_model
     from grpo_nb.config import preset
 
@@ -197,20 +176,13 @@ def plan(args: argparse.Namespace) -> LLMConfig:
                      eval_size=args.groups or (8 if args.smoke else 16))
 
 
-def server_config(cfg: LLMConfig, smoke: bool) -> Any:
-    """The server for ``cfg``: its context holds the longest prompt kept plus ``max_tokens``."""
-    from grpo_nb.serving.server import ServerConfig
-
-    base = ServerConfig.smoke(cfg.model) if smoke else ServerConfig(model=cfg.model)
-    return dataclasses.replace(base, max_model_len=cfg.context_len)
-
-
 def cli(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_nb import grpo, tasks
     from grpo_nb.config import smoke_mode
     from grpo_nb.llm.data import load_data
+    from grpo_nb.llm.placement import server_config
     from grpo_nb.serving.client import ClientConfig
     from grpo_nb.serving.server import VLLMServer
 
@@ -220,10 +192,9 @@ def cli(argv: list[str]) -> int:
     data = load_data(tokenizer, cfg, args.smoke or smoke_mode())  # the test split's first ones
     if data.filtered:
         print(f"left out {data.filtered} prompts longer than {cfg.max_prompt_len} tokens")
-    reward = tasks.make_reward(cfg.reward, default="exact" if data.kind == "arithmetic"
-                               else "math")
+    reward = tasks.make_reward(cfg.reward, default=data.reward_default)
     server = VLLMServer.attach(args.attach) if args.attach else VLLMServer(
-        server_config(cfg, args.smoke))
+        server_config(cfg.model, cfg))  # as a training server is
 
     async def sample() -> tuple[list[Group], float, Any]:
         async with CompletionsClient.for_server(

@@ -1,7 +1,5 @@
-"""The LLM ring's controller: ``train(cfg)`` loads the model and data, starts a vLLM server
-(unless one is passed in, as notebook 05 does to run both modes against one server), runs the
-ring (:func:`run_ring`) into ``runs/<name>/`` and returns a :class:`RunResult`.
-``backend="monarch"`` runs the same actors on torchmonarch processes.
+"""The LLM ring's controller: ``train(cfg)`` loads model and data, starts a vLLM server (unless
+one is passed in), runs the ring (:func:`run_ring`) into ``runs/<name>/``, returns a RunResult.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ class RunAborted(RingError):
 
 
 class ServerWatch:
-    """``exited`` resolves the moment the server's process ends, without polling. A server
-    this process did not start cannot be watched; its failed requests still end the run."""
+    """``exited`` resolves when the server's process ends (only one this process started)."""
 
     def __init__(self, server: Any) -> None:
         self.server = server
@@ -58,8 +55,8 @@ class ServerWatch:
         raise RunAborted(f"{self.describe()}: run aborted at step {step()}")
 
     async def gone_within(self, grace_s: float = 3.0) -> str | None:
-        """Why the server is gone, waiting up to ``grace_s`` for a dying one to exit (else
-        None): a failed request shows a moment before the exit, which names the real cause."""
+        """Why the server is gone, waiting ``grace_s`` for a dying one (else None): a failed
+        request shows a moment before the exit, which names the real cause."""
         if getattr(self.server, "proc", None) is None:
             return None if await asyncio.to_thread(self.server.is_running) else self.describe()
         try:
@@ -71,9 +68,7 @@ class ServerWatch:
 
 @contextlib.contextmanager
 def trainer_cores(cfg: LLMConfig, server: Any, backend: str) -> Iterator[partition.Plan]:
-    """Within it, this process runs on the cores the server tree leaves free: only when the
-    trainer runs here (``backend="asyncio"``) on the CPU and the server is pinned
-    (``ServerConfig.cpus``); else the two share a core and both slow down."""
+    """Within it, a CPU trainer in this process runs on the cores a pinned server leaves free."""
     from grpo_nb.llm.placement import trainer_device
 
     if backend != "asyncio":
@@ -95,52 +90,41 @@ async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, serv
                    on_event: Callable[[str, MetricsRecorder], None] | None = None,
                    stop: asyncio.Event | None = None, backend: str = "asyncio",
                    stop_timeout_s: float = 15.0) -> dict[str, Any]:
-    """Spawn the ring, relay its events into ``rec`` until the trainer exits; stop all actors.
-
-    ``on_event(kind, rec)`` runs on the controller after each relayed event (live plots,
-    progress bars). When ``stop`` is set, the trainer finishes its step, drains, syncs,
-    evaluates and checkpoints. Returns the trainer's exit data; raises :class:`RunAborted`.
-    """
+    """Spawn the ring, relay its events into ``rec`` (then ``on_event(kind, rec)``) until the
+    trainer exits; ``stop`` ends it after the current step. Returns the trainer's exit data."""
     if stop is not None and not isinstance(stop, asyncio.Event):
         raise TypeError(f"stop must be an asyncio.Event, got {type(stop).__name__}")
     watch = ServerWatch(server) if server is not None else None
+
+    async def explain(event: Event) -> BaseException:
+        gone = await watch.gone_within() if watch is not None else None
+        return RunAborted(f"{gone + ': ' if gone else ''}ring actor {event.data['actor']} "
+                          f"failed: {event.data['error']}\n{event.data['traceback']}")
+
     try:
         with trainer_cores(cfg, server, backend) as plan:
             rec.log("partition", plan=plan.describe(), active=plan.active)
-            return await _ring(cfg, spec, rec, watch, on_event, stop, backend, stop_timeout_s)
+            async with Controller(backend, rec, stop_timeout_s=stop_timeout_s) as ring:
+                here = ring.procs(here=True)
+                # On Monarch the trainer gets its own process (its torch threads, its GPU).
+                own = ring.procs(1) if backend == "monarch" else here
+                trainer = ring.spawn(own, "trainer", Trainer, cfg, spec, ring.metrics)
+                scorer = ring.spawn(here, "scorer", Scorer, cfg, spec, ring.metrics)
+                reference = ring.spawn(here, "reference", Reference, cfg, spec, ring.metrics)
+                gens = ring.spawn(ring.procs(cfg.generators), "generators", Generator, cfg, spec,
+                                  await scorer.inlet.call_one(), ring.metrics)
+                await ring.wire(gens, scorer, reference, trainer,
+                                finish_timeout_s=cfg.finish_timeout_s,
+                                timeout_field="LLMConfig.finish_timeout_s")
+                watchers = [*([watch.died(lambda: len(rec.rows("step")))] if watch else []),
+                            *([_forward_stop(stop, trainer)] if stop is not None else [])]
+                exited = await ring.relay(
+                    {"trainer"}, watchers=watchers, explain=explain,
+                    on_event=None if on_event is None else lambda ev: on_event(ev.kind, rec))
+            return exited["trainer"]
     finally:
         if watch is not None:
             watch.close()
-
-
-async def _ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, watch: ServerWatch | None,
-                on_event: Callable[[str, MetricsRecorder], None] | None,
-                stop: asyncio.Event | None, backend: str, stop_timeout_s: float) -> dict[str, Any]:
-    """The ring itself (see :func:`run_ring`)."""
-    async with Controller(backend, rec, stop_timeout_s=stop_timeout_s) as ring:
-        here = ring.procs(here=True)
-        # On Monarch the trainer gets its own process (its torch threads, its GPU).
-        own = ring.procs(1) if backend == "monarch" else here
-        trainer = ring.spawn(own, "trainer", Trainer, cfg, spec, ring.metrics)
-        scorer = ring.spawn(here, "scorer", Scorer, cfg, spec, ring.metrics)
-        reference = ring.spawn(here, "reference", Reference, cfg, spec, ring.metrics)
-        gens = ring.spawn(ring.procs(cfg.generators), "generators", Generator, cfg, spec,
-                          await scorer.inlet.call_one(), ring.metrics)
-        await ring.wire(gens, scorer, reference, trainer, finish_timeout_s=cfg.finish_timeout_s,
-                        timeout_field="LLMConfig.finish_timeout_s")  # bounds the relays' end
-
-        async def explain(event: Event) -> BaseException:
-            gone = await watch.gone_within() if watch is not None else None
-            return RunAborted(f"{gone + ': ' if gone else ''}ring actor "
-                              f"{event.data['actor']} failed: {event.data['error']}\n"
-                              f"{event.data['traceback']}")
-
-        watchers = [*([watch.died(lambda: len(rec.rows("step")))] if watch else []),
-                    *([_forward_stop(stop, trainer)] if stop is not None else [])]
-        exited = await ring.relay(
-            {"trainer"}, watchers=watchers, explain=explain,
-            on_event=None if on_event is None else lambda ev: on_event(ev.kind, rec))
-    return exited["trainer"]
 
 
 async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: str | None = None,
@@ -148,9 +132,8 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
                 on_event: Callable[[str, MetricsRecorder], None] | None = None,
                 stop: asyncio.Event | None = None, backend: str = "asyncio",
                 smoke: bool | None = None, progress: bool = True) -> RunResult:
-    """Run GRPO on the LLM end to end into ``runs/<name>/``. ``model_dir`` (else ``cfg.model``,
-    else the tiny model) is a folder or a hub id; a ``server`` passed in must serve it, else
-    one is started from ``cfg`` and always stopped."""
+    """Run GRPO on ``model_dir`` (else ``cfg.model``, else the tiny model) into ``runs/<name>/``;
+    without a ``server`` (which must serve it) one is started and always stopped."""
     smoke = smoke_mode() if smoke is None else smoke
     model = await _model_source(model_dir or cfg.model, progress)
     cfg = cfg.replace(model=model) if cfg.model != model else cfg
@@ -169,15 +152,13 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
             task=data.kind, prompt_example=data.prompt_example,
             chat_template_kwargs=data.template_kwargs)
     own = server is None
-    if own:
-        server = server_for(model, cfg)
+    server = server_for(model, cfg) if own else server
     try:
         if own:
             await server.start_async(progress=progress)
         spec = RingSpec(server.url, server.model_name, model, data.train, data.test,
                         str(run_dir), str(run_dir / "checkpoint") if resume else None,
-                        reward_default="exact" if data.kind == "arithmetic" else "math",
-                        api_key=server.api_key)
+                        reward_default=data.reward_default, api_key=server.api_key)
         t0 = time.perf_counter()
         out = await run_ring(cfg, spec, rec, server=server, on_event=on_event, stop=stop,
                              backend=backend)

@@ -14,17 +14,7 @@ from grpo_nb.metrics import MetricsRecorder
 
 @dataclass
 class RunResult:
-    """What a run achieved: steps, accuracy before/after, speed, staleness, sync health.
-
-    Means over steps: ``ratio_mean`` (π_θ / π_old: ≈ 1 on fresh samples at any temperature,
-    so far from 1 in sync mode means the two sides compute different probabilities),
-    ``clip_frac_mean``, ``step_changed_frac`` (parameter elements the last optimiser update
-    changed: ≈ 0 when bf16 updates round away), ``zero_std_frac_mean`` (groups of equal
-    rewards: no gradient), ``truncated_frac_mean``, ``response_len_mean``. Faults counted and
-    survived: ``skipped_steps`` (non-finite loss or gradient), ``failed_requests`` and
-    ``aborted_groups`` (resubmitted). ``defaults``: settings chosen for the model family, each
-    with why.
-    """
+    """What a run achieved: accuracy, speed, staleness, sync health, faults, chosen defaults."""
 
     steps: int
     accuracy_before: float
@@ -37,12 +27,12 @@ class RunResult:
     staleness_mean: float = math.nan
     tokens_per_s: float = math.nan
     run_dir: str | None = None
-    ratio_mean: float = math.nan
+    ratio_mean: float = math.nan  # π_θ / π_old: far from 1 in sync mode means a mismatch
     clip_frac_mean: float = math.nan
     skipped_steps: int = 0
     failed_requests: int = 0
     aborted_groups: int = 0
-    step_changed_frac: float = math.nan
+    step_changed_frac: float = math.nan  # ≈ 0 when bf16 updates round away
     entropy_start: float = math.nan
     entropy_end: float = math.nan
     zero_std_frac_mean: float = math.nan
@@ -87,8 +77,7 @@ def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int)
 
 
 def _defaults(rec: MetricsRecorder, cfg: LLMConfig) -> dict[str, str]:
-    """:attr:`LLMConfig.defaults`, plus the chat-template arguments the config left to the
-    template."""
+    """:attr:`LLMConfig.defaults`, plus the chat-template arguments left to the template."""
     out = dict(getattr(cfg, "defaults", {}))
     data = rec.rows("data")
     given = cfg.chat_template_kwargs or {}

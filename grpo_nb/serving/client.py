@@ -1,11 +1,6 @@
 """An async client for vLLM's ``/v1/completions``: token ids in, token ids and log-probs out.
-
-Rollouts need the exact tokens the sampler produced and their log-probabilities (GRPO's
-importance ratio divides by them), so prompts go as token ids with ``return_token_ids`` and
-``logprobs``. No request is lost quietly: connection errors are retried, every other failure is
-counted in :class:`ClientStats` and raised as :class:`CompletionError`, and choices the server
-aborted (``/pause?mode=abort``) are returned with ``finish_reason="abort"`` for the caller to
-resample, never scored.
+Connection errors are retried, other failures counted and raised as :class:`CompletionError`;
+choices the server aborted come back with ``finish_reason="abort"`` for the caller to resample.
 """
 
 from __future__ import annotations
@@ -27,16 +22,9 @@ NEUTRAL_SAMPLING: dict[str, float | int] = {
     "frequency_penalty": 0.0}
 
 
-def sampling_fields(temperature: float, top_p: float = 1.0) -> dict[str, float | int]:
-    """Every sampling field of a request: ``temperature`` and ``top_p`` as given, the rest at
-    :data:`NEUTRAL_SAMPLING`."""
-    return {"temperature": temperature, "top_p": top_p, **NEUTRAL_SAMPLING}
-
-
 def policy_salt(version: int) -> str:
-    """The ``cache_salt`` of requests sampled under weight ``version``: vLLM shares cached
-    prompt KV only between requests with the same salt, so no request of a newer policy starts
-    from KV that older weights computed."""
+    """The ``cache_salt`` of requests sampled under weight ``version``: no request of a newer
+    policy starts from prompt KV that older weights computed."""
     return f"policy-v{version}"
 
 
@@ -80,8 +68,7 @@ class Completion:
 
 @dataclass
 class ClientConfig:
-    """Client limits. ``retries`` applies to connection errors only; ``api_key`` (default
-    ``$VLLM_API_KEY``; hidden from ``repr``) is sent on every request."""
+    """Client limits; ``retries`` applies to connection errors only."""
 
     max_in_flight: int = 32
     timeout_s: float = 120.0
@@ -90,21 +77,15 @@ class ClientConfig:
     api_key: str | None = field(default_factory=env_api_key, repr=False)
 
     def __post_init__(self) -> None:
-        if self.max_in_flight < 1:
-            raise ValueError(f"ClientConfig.max_in_flight={self.max_in_flight}: must be ≥ 1")
-        if self.timeout_s <= 0:
-            raise ValueError(f"ClientConfig.timeout_s={self.timeout_s}: must be > 0")
-        if self.retries < 0:
-            raise ValueError(f"ClientConfig.retries={self.retries}: must be ≥ 0")
-
-    @classmethod
-    def smoke(cls) -> ClientConfig:
-        return cls(max_in_flight=16, timeout_s=60.0)
+        for name, ok, rule in (("max_in_flight", self.max_in_flight >= 1, "≥ 1"),
+                               ("timeout_s", self.timeout_s > 0, "> 0"),
+                               ("retries", self.retries >= 0, "≥ 0")):
+            if not ok:
+                raise ValueError(f"ClientConfig.{name}={getattr(self, name)}: must be {rule}")
 
 
 class CompletionsClient:
-    """Async client bound to one server (``base_url``: ``http://host:port/v1``) and ``model``.
-    Use ``async with`` or call ``close()``."""
+    """Async client of one server's ``/v1`` and ``model`` (``async with``, or ``close()``)."""
 
     def __init__(self, base_url: str, model: str, cfg: ClientConfig | None = None, *,
                  api_key: str | None = None) -> None:
@@ -152,8 +133,8 @@ class CompletionsClient:
         """Sample ``n`` completions of a token-id prompt; raises :class:`CompletionError`.
         ``extra`` goes into the request body as is (``ignore_eos``, ``cache_salt`` …)."""
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
-                **sampling_fields(temperature, top_p), "n": n, "logprobs": 1,
-                "return_token_ids": True, **extra}
+                "temperature": temperature, "top_p": top_p, **NEUTRAL_SAMPLING, "n": n,
+                "logprobs": 1, "return_token_ids": True, **extra}
         if seed is not None:
             body["seed"] = seed
         async with self._sem:

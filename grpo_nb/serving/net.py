@@ -30,8 +30,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 def is_loopback(host: str) -> bool:
-    """``True`` for ``localhost``, ``127.x.y.z`` and ``::1``; other hostnames are not resolved
-    (they could point anywhere), so they count as remote."""
+    """``localhost``, ``127.x.y.z`` or ``::1`` (other names are not resolved: remote)."""
     if host == "localhost":
         return True
     try:

@@ -1,10 +1,6 @@
 """The process side of a vLLM server: markers, waiting for an exit, the owner watchdog, orphans.
-
-Every process of a server we start inherits ``GRPO_NB_SERVER_ID`` (which server) and
-``GRPO_NB_OWNER_PID`` (the Python process that started it) in its environment, so psutil finds
-a server's whole tree (:func:`marked_processes`) for ``VLLMServer.stop``, the watchdog and
-``python -m grpo_nb doctor --reap`` alike. A server runs in its own session (a Ctrl-C aimed at
-the notebook does not kill it half-way), so a watchdog process ends it when its owner dies.
+Every server process inherits ``GRPO_NB_SERVER_ID`` and ``GRPO_NB_OWNER_PID``, so psutil finds a
+server's whole tree for ``stop``, the watchdog and ``doctor --reap`` alike.
 """
 
 from __future__ import annotations
@@ -31,9 +27,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])  # where ``grpo_nb`` imports fr
 
 
 async def wait_exit(pid: int) -> None:
-    """Return once process ``pid`` has exited, without polling (a pidfd in the event loop)
-    and without reaping it (its ``Popen`` still reads the exit code). Where there is no pidfd
-    (not Linux), a 0.25 s poll."""
+    """Return once process ``pid`` has exited, without reaping it (a pidfd, else a poll)."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -63,12 +57,8 @@ def start_watchdog(leader_pid: int, server_id: str, grace_s: float = 4.0
 
 
 def watch_owner(owner: str, leader: str, server_id: str, grace_s: str) -> None:
-    """The watchdog's body: return when the server exits; when the owner exits first (however
-    it died, SIGKILL included), end the server's tree as :meth:`VLLMServer.stop` does.
-
-    It waits on the owner's exit, not on PR_SET_PDEATHSIG: that signal follows the *thread*
-    that spawned the child, and servers are often started from short-lived ``to_thread`` threads.
-    """
+    """The watchdog's body: when the owner exits before the server (SIGKILL included), end
+    the server's tree (not PR_SET_PDEATHSIG: it follows the spawning *thread*)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     async def owner_exits_first() -> bool:  # asyncio.run cancels the other wait

@@ -1,9 +1,5 @@
-"""Start, watch and stop a vLLM OpenAI-compatible server as a subprocess.
-
-vLLM's server is a tree of processes (API server → EngineCore → worker), started in a process
-group of its own so that :meth:`VLLMServer.stop` ends the whole tree, whether the notebook cell
-finished, raised or was interrupted; a watchdog ends it if this process dies. Servers stay in a
-module-level registry until stopped, so re-running a cell never orphans a running server.
+"""Start, watch and stop a vLLM OpenAI-compatible server as a subprocess tree in its own process
+group; a registry keeps every server until stopped, so re-running a cell never orphans one.
 """
 
 from __future__ import annotations
@@ -20,13 +16,10 @@ from pathlib import Path
 import httpx
 
 from grpo_nb.config import runs_dir
-from grpo_nb.partition import _gpu_available, exec_pinned
-from grpo_nb.serving.net import auth_headers, env_api_key, free_port, http, is_loopback
+from grpo_nb.partition import cuda_available, exec_pinned, plan
+from grpo_nb.serving.net import auth_headers, env_api_key, free_port, http
 from grpo_nb.serving.processes import end_processes, marked_processes, start_watchdog
 from grpo_nb.serving.server_config import ServerConfig
-
-__all__ = ["ServerConfig", "ServerStartError", "VLLMServer", "free_port", "is_loopback",
-           "stop_all"]
 
 _LIVE: set[VLLMServer] = set()  # strong: a dropped variable must not orphan a running server
 _BY_NAME: dict[str, VLLMServer] = {}
@@ -37,9 +30,7 @@ class ServerStartError(RuntimeError):
 
 
 class VLLMServer:
-    """A vLLM server this process owns (``with``, or ``start()`` / ``await start_async()`` and
-    ``stop()``; an ``atexit`` hook stops what is left), or one it attached to (``attach``).
-    Starting a server with the ``ServerConfig.name`` of a running one stops that one first."""
+    """A vLLM server this process owns (``with``, or ``start()`` / ``stop()``) or attached to."""
 
     def __init__(self, cfg: ServerConfig | None, *, _owned: bool = True) -> None:
         if cfg is not None and not cfg.model:
@@ -71,8 +62,7 @@ class VLLMServer:
 
     @classmethod
     def attach(cls, url: str, *, api_key: str | None = None, timeout: float = 10.0) -> VLLMServer:
-        """Use a server someone else runs (``api_key`` default ``$VLLM_API_KEY``): reads the
-        served model name from ``/v1/models``. ``stop()`` does nothing: it is not ours to end."""
+        """Use a server someone else runs (``stop()`` leaves it running)."""
         url = url.rstrip("/").removesuffix("/v1")
         host, _, port = url.split("://", 1)[-1].rpartition(":")
         server = cls(None, _owned=False)
@@ -118,13 +108,14 @@ class VLLMServer:
             if self.cfg.name and (old := _BY_NAME.get(self.cfg.name)) is not None:
                 print(f"stopping the previous server named {self.cfg.name!r} ({old.url})")
                 old.stop()
-            gpu = _gpu_available()
+            gpu = cuda_available()
             self.port = self.cfg.port or free_port(self.cfg.host)
             log_dir = Path(self.cfg.log_dir) if self.cfg.log_dir else runs_dir() / "vllm"
             log_dir.mkdir(parents=True, exist_ok=True)
             self.log_path = log_dir / f"server-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
             cmd = self.cfg.command(self.port, gpu)
-            self.cpus = self.cfg.resolve_cpus(gpu)
+            cpus = None if self.cfg.cpus == "auto" else self.cfg.cpus
+            self.cpus = plan(server_cpus=cpus, gpu=gpu).server_cpus
             if self.cpus:  # pinned before exec: every process and thread of the tree inherits
                 cmd = exec_pinned(self.cpus, cmd)
             _LIVE.add(self)
@@ -171,8 +162,7 @@ class VLLMServer:
         return self
 
     async def start_async(self, *, progress: bool = False) -> VLLMServer:
-        """:meth:`start` for ``asyncio`` code: cancelling the awaiting task stops the server
-        (``stop`` waits for a spawn in flight; the start thread then sees it stopped)."""
+        """:meth:`start` for ``asyncio`` code; cancelling the awaiting task stops the server."""
         try:
             return await asyncio.to_thread(self.start, progress=progress)
         except asyncio.CancelledError:

@@ -1,8 +1,5 @@
-"""``ServerConfig``: how a vLLM server is run, and who may reach it.
-
-vLLM's ``--api-key`` guards only ``/v1`` routes, never the dev-mode routes that replace the
-weights, so a dev-mode server binds loopback only; any other host needs a key, which travels in
-the server's environment (never in argv, where ``ps`` shows it to every user).
+"""``ServerConfig``: how a vLLM server is run, and who may reach it (``--api-key`` guards only
+``/v1``, so a dev-mode server binds loopback only; a key travels in the environment, not argv).
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_nb.config import cache_dir, env_flag
-from grpo_nb.partition import check_spec, plan, server_env
+from grpo_nb.partition import check_spec, server_env
 from grpo_nb.serving.net import env_api_key, is_loopback
 from grpo_nb.serving.processes import MARKER_ENV, OWNER_ENV
 
@@ -25,15 +22,7 @@ EAGER_ENV = "GRPO_NB_SERVER_EAGER"  # "1": every server starts eager (the test s
 
 @dataclass
 class ServerConfig:
-    """How to run ``vllm serve``; ``None`` fields take CPU or GPU defaults at start time.
-
-    ``dtype`` defaults to float32 on CPU (log-probs agree with the trainer's) and the
-    checkpoint's on GPU; ``kv_cache_bytes`` to 64 MiB on CPU. ``cpus`` pins the whole server
-    tree (:mod:`grpo_nb.partition`: ``"auto"``, ``"off"`` or core ids). ``eager`` skips
-    ``torch.compile``: a sooner start but slower generation, so it pays only for short-lived
-    servers (default ``$GRPO_NB_SERVER_EAGER``). A starting server replaces a running one of
-    the same ``name``.
-    """
+    """How to run ``vllm serve``; ``None`` fields take CPU or GPU defaults at start time."""
 
     model: str = ""
     host: str = "127.0.0.1"
@@ -43,7 +32,7 @@ class ServerConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.5
     api_key: str | None = field(default_factory=env_api_key, repr=False)
-    name: str | None = None
+    name: str | None = None  # a starting server replaces a running one of the same name
     served_model_name: str | None = None
     log_dir: Path | str | None = None
     startup_timeout: float = 600.0
@@ -52,7 +41,8 @@ class ServerConfig:
     dev_mode: bool = True
     worker_extension_cls: str | None = None
     weight_transfer_config: dict[str, Any] | None = None
-    cpus: str | list[int] = "auto"
+    cpus: str | list[int] = "auto"  # pins the server tree: "auto", "off" or core ids
+    # skip torch.compile: a sooner start, slower generation (pays for short-lived servers)
     eager: bool = field(default_factory=lambda: env_flag(EAGER_ENV))
 
     def __post_init__(self) -> None:
@@ -60,8 +50,7 @@ class ServerConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field; run again at start (callers such as
-        ``WeightSyncConfig.server_settings`` set fields after construction)."""
+        """Raise ``ValueError`` naming the field (run again at start: fields may change)."""
         for name, ok, rule in (
                 ("port", 0 <= self.port <= 65535, "0 (pick a free port) .. 65535"),
                 ("max_model_len", self.max_model_len >= 8, "≥ 8"),
@@ -123,11 +112,6 @@ class ServerConfig:
         if self.weight_transfer_config is not None:
             cmd += ["--weight-transfer-config", json.dumps(self.weight_transfer_config)]
         return cmd + list(self.extra_args)
-
-    def resolve_cpus(self, gpu: bool) -> tuple[int, ...] | None:
-        """The cores to pin the server tree to, or ``None`` (unpinned); ``"auto"`` follows
-        ``$GRPO_NB_SERVER_CPUS``. Raises if the cores are not ours or leave none free."""
-        return plan(server_cpus=None if self.cpus == "auto" else self.cpus, gpu=gpu).server_cpus
 
     def environment(self, server_id: str, gpu: bool,
                     cpus: tuple[int, ...] | None = None) -> dict[str, str]:

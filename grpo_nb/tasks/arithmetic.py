@@ -1,8 +1,4 @@
-"""The offline task: sums (and differences) of zero-padded numbers, ``"003+006="`` → ``"0009"``.
-
-Chat-free: a template would cost a character-level model dozens of tokens per prompt; the rows
-still carry ``messages`` so that a chat model can be trained on it too.
-"""
+"""The offline task: sums (and differences) of zero-padded numbers, ``"003+006="`` → ``"0009"``."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ ARITHMETIC_NAME = re.compile(r"arithmetic(?::(?P<digits>\d+)digits?)?(?::(?P<ops
 
 @dataclass
 class ArithmeticTaskConfig:
-    """Two zero-padded ``digits``-digit operands (answers: ``digits + 1`` characters, ``-`` for
-    negative differences), ``ops`` from ``("+", "-")``, distinct problems per split."""
+    """Two zero-padded ``digits``-digit operands, ``ops`` from ``("+", "-")``, distinct problems."""
 
     digits: int = 3
     ops: tuple[str, ...] = ("+",)

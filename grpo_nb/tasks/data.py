@@ -1,15 +1,13 @@
-"""Datasets by configuration: ``load_task(name or path)`` → train / test rows of ``prompt``,
-``messages`` and ``answer``, and :func:`check_task_fields` for a config naming one.
-
-Names: the offline ``"arithmetic[:Ndigit][:+-]"``, a hub dataset (``"openai/gsm8k"``,
-``"owner/name:config"``), or a ``.json``/``.jsonl``/``.parquet`` file or folder of rows in one
-of the formats :mod:`grpo_nb.tasks.rows` reads.
+"""Datasets by name: ``load_task`` → train / test rows of ``prompt``, ``messages``, ``answer``
+from ``"arithmetic[:Ndigit][:+-]"``, a hub dataset (``"owner/name[:config]"``) or a
+``.json``/``.jsonl``/``.parquet`` file or folder of GSM8K, OpenR1-Math or ``messages`` rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,13 +21,15 @@ from grpo_nb.tasks.arithmetic import (
     is_arithmetic_name,
     make_dataset,
 )
-from grpo_nb.tasks.rewards import reward_terms
-from grpo_nb.tasks.rows import to_task_rows
+from grpo_nb.tasks.rewards import after_hashes, extract_answer, reward_terms
 
 HUB_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
 _HUB_NAME = re.compile(r"[\w.-]+(?:/[\w.-]+)?(?::[\w.-]+)?")
+Row = dict[str, Any]
+FORMATS = ("GSM8K (question, answer ending '#### N'), OpenR1-Math (problem, answer), "
+           "or messages (a chat ending with the assistant's answer)")
 
 
 @dataclass
@@ -46,8 +46,7 @@ class Task:
 
 
 def dataset_source(dataset: str) -> str:
-    """``"arithmetic"``, ``"local"`` or ``"hub"``, without loading anything; ``ValueError``
-    for a malformed name, ``FileNotFoundError`` for a missing path."""
+    """``"arithmetic"``, ``"local"`` or ``"hub"``, without loading anything."""
     if not isinstance(dataset, str) or not dataset.strip():
         raise ValueError(f"dataset={dataset!r}: give 'arithmetic', a hub name or a file/folder")
     if is_arithmetic_name(dataset):
@@ -96,8 +95,7 @@ def _load_hub(name: str) -> datasets.DatasetDict:
 
 def _splits(data: datasets.DatasetDict, where: str, test_size: int | float | None,
             split_seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """The source's own train/test splits when it has them, else a seeded held-out split of
-    ``test_size`` rows (a count, a fraction, or 10 %)."""
+    """The source's own train/test splits, else a seeded split of ``test_size`` rows (or 10 %)."""
     if not data:
         raise ValueError(f"{where}: no data")
     train_name = "train" if "train" in data else next(iter(data))
@@ -117,8 +115,7 @@ def _splits(data: datasets.DatasetDict, where: str, test_size: int | float | Non
 
 
 def _with_messages(ds: datasets.Dataset, system_prompt: str | None) -> datasets.Dataset:
-    """``ds`` plus a ``messages`` column (system?, user = prompt), built in Arrow: from Python
-    dicts it is slow for the arithmetic task's many rows, which the tiny model does not read."""
+    """``ds`` plus a ``messages`` column (system?, user), built in Arrow: Python dicts are slow."""
     import pyarrow as pa
 
     head = [] if system_prompt is None else [("system", system_prompt)]
@@ -131,17 +128,75 @@ def _with_messages(ds: datasets.Dataset, system_prompt: str | None) -> datasets.
     return datasets.Dataset(datasets.table.InMemoryTable(table))
 
 
+def _chat(system_prompt: str | None, turns: list[Row]) -> list[Row]:
+    """``turns`` with the configured system prompt replacing any system turn they had."""
+    if system_prompt is None:
+        return turns
+    return [{"role": "system", "content": system_prompt},
+            *[t for t in turns if t["role"] != "system"]]
+
+
+def _gsm8k(row: Row, where: str) -> str:
+    answer = after_hashes(str(row["answer"]))
+    if answer is None:
+        raise ValueError(f"{where}: GSM8K answer without '#### <final answer>': "
+                         f"{str(row['answer'])[-80:]!r}")
+    return answer
+
+
+def _from_messages(row: Row, where: str, system_prompt: str | None) -> Row:
+    turns = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"] or []]
+    if len(turns) < 2 or turns[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: 'messages' must end with the assistant's answer after a "
+                         f"user turn; roles are {[t['role'] for t in turns]}")
+    users = [t["content"] for t in turns[:-1] if t["role"] == "user"]
+    if not users:
+        raise ValueError(f"{where}: 'messages' has no user turn before the answer")
+    answer = row.get("answer")
+    answer = (after_hashes(str(answer)) or str(answer).strip()) if answer is not None else (
+        extract_answer(turns[-1]["content"], last_number=False))
+    if not answer:
+        raise ValueError(f"{where}: cannot find the final answer in the assistant turn "
+                         f"{turns[-1]['content'][-80:]!r}: end it with '#### N' or "
+                         "'\\boxed{N}', or add an 'answer' column")
+    return {"prompt": users[-1], "messages": _chat(system_prompt, turns[:-1]), "answer": answer}
+
+
+def _row_converter(columns: list[str], where: str, system_prompt: str | None,
+                  instruction: str | None) -> Callable[[Row, int], Row]:
+    cols = set(columns)
+    if "messages" in cols:
+        return lambda row, i: _from_messages(row, f"{where}, row {i}", system_prompt)
+    if {"question", "answer"} <= cols:
+        question, answer_of = "question", _gsm8k
+    elif {"problem", "answer"} <= cols:
+        question, answer_of = "problem", lambda row, where: str(row["answer"]).strip()
+    else:
+        raise ValueError(f"{where}: unknown row format, columns {sorted(cols)}; expected {FORMATS}")
+
+    def convert(row: Row, i: int) -> Row:
+        text = str(row[question]).strip()
+        prompt = f"{text}\n{instruction}" if instruction else text
+        return {"prompt": prompt, "answer": answer_of(row, f"{where}, row {i}"),
+                "messages": _chat(system_prompt, [{"role": "user", "content": prompt}])}
+
+    return convert
+
+
+def to_task_rows(raw: datasets.Dataset, where: str, *, system_prompt: str | None,
+                 instruction: str | None) -> datasets.Dataset:
+    """``raw`` as ``prompt, messages, answer`` rows; ``ValueError`` naming the bad row."""
+    if len(raw) == 0:
+        raise ValueError(f"{where}: no rows")
+    convert = _row_converter(list(raw.column_names), where, system_prompt, instruction)
+    return raw.map(convert, with_indices=True, remove_columns=list(raw.column_names))
+
+
 def load_task(dataset: str, *, test_size: int | float | None = None, split_seed: int = 0,
               system_prompt: str | None = None, instruction: str | None = HUB_INSTRUCTION,
               arithmetic: ArithmeticTaskConfig | None = None) -> Task:
-    """Load a task by name or path as train / test rows.
-
-    ``test_size`` (rows or a fraction, default 10 %, seeded by ``split_seed``) is held out when
-    the source has no test or validation split; for arithmetic it is ``n_test``, and
-    ``arithmetic`` the base config the name's suffix changes. ``system_prompt`` replaces any
-    system turn; ``instruction`` follows GSM8K / OpenR1 questions. ``RuntimeError`` when a hub
-    dataset cannot be fetched.
-    """
+    """A task by name or path; ``test_size`` is held out when it has no test split (for
+    arithmetic: ``n_test``), ``system_prompt`` replaces any system turn."""
     if is_arithmetic_name(dataset):
         cfg = arithmetic_config(dataset, arithmetic)
         if test_size is not None:
@@ -162,8 +217,7 @@ def load_task(dataset: str, *, test_size: int | float | None = None, split_seed:
 
 
 def check_task_fields(cfg: Any) -> None:
-    """A config's dataset, test_size, prompt fields and reward, checked without loading data or
-    importing reward functions; ``ValueError`` names the ``LLMConfig`` field."""
+    """A config's data and reward fields, checked without loading or importing anything."""
     try:
         dataset_source(cfg.dataset)
     except (ValueError, FileNotFoundError) as err:
@@ -179,8 +233,6 @@ def check_task_fields(cfg: Any) -> None:
     if cfg.chat_template_kwargs is not None and not isinstance(cfg.chat_template_kwargs, dict):
         raise ValueError(f"LLMConfig.chat_template_kwargs={cfg.chat_template_kwargs!r}: "
                          "a dict or None")
-    if cfg.max_prompt_len < 1:
-        raise ValueError(f"LLMConfig.max_prompt_len={cfg.max_prompt_len}: must be >= 1")
     try:
         reward_terms(cfg.reward)
     except (ValueError, TypeError) as err:

@@ -1,7 +1,5 @@
-"""A task row as the prompt the model sees: through its chat template when it has one.
-
-Without a template (the tiny character model) the prompt is the plain text, so ``"003+006="``
-stays eight tokens.
+"""A task row as the prompt the model sees: its chat template when it has one, else the plain
+text (so the tiny character model's ``"003+006="`` stays eight tokens).
 """
 
 from __future__ import annotations
@@ -15,9 +13,8 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def template_defaults(tokenizer: Any) -> dict[str, Any]:
-    """``{"enable_thinking": False}`` when the chat template reads it (Qwen3), else ``{}``:
-    a thinking block runs past a GRPO-sized ``max_tokens``, so nearly every completion would
-    be cut before its answer and score 0."""
+    """``{"enable_thinking": False}`` when the template reads it (Qwen3): a thinking block runs
+    past a GRPO-sized ``max_tokens``, cutting nearly every answer off."""
     template = getattr(tokenizer, "chat_template", None) or ""
     texts = template.values() if isinstance(template, Mapping) else [template]
     return {"enable_thinking": False} if any("enable_thinking" in str(t) for t in texts) else {}
@@ -40,10 +37,13 @@ def prompt_text(tokenizer: Any, row: Mapping[str, Any], *, add_generation_prompt
     return str(row["prompt"])
 
 
+def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """A rendered prompt's token ids: its template's special tokens are in the text already."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def render_prompt(tokenizer: Any, row: Mapping[str, Any], *, add_generation_prompt: bool = True,
                   chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-    """Token ids of :func:`prompt_text`; the template's special tokens are in the text, so no
-    BOS or other special token is added on top."""
-    text = prompt_text(tokenizer, row, add_generation_prompt=add_generation_prompt,
-                       chat_template_kwargs=chat_template_kwargs)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    """Token ids of :func:`prompt_text`."""
+    return prompt_ids(tokenizer, prompt_text(tokenizer, row, chat_template_kwargs=chat_template_kwargs,
+                                             add_generation_prompt=add_generation_prompt))

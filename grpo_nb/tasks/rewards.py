@@ -1,10 +1,6 @@
-"""Rewards chosen by configuration: ``make_reward(spec)`` → ``reward(completion_text, answer)``.
-
-A spec is a built-in name (``exact``: the completion is just the number; ``math``: the
-answer read out of the text; ``format``: a bare number or a ``\\boxed{}`` answer), ``"auto"``
-(the task's own check), a ``"module:function"`` (survives pickling to another process by
-name), a weighted sum such as ``"math+0.1*format"``, a callable, or a list of these (or of
-``(term, weight)`` pairs).
+"""Reading the answer out of a text, and rewards by configuration: ``make_reward(spec)`` →
+``reward(completion_text, answer)``. A spec is a name in :data:`REWARDS`, ``"auto"`` (the
+task's check), ``"module:function"``, a weighted sum (``"math+0.1*format"``) or a callable.
 """
 
 from __future__ import annotations
@@ -13,11 +9,10 @@ import importlib
 import inspect
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from grpo_nb.tasks.answers import WHOLE_NUMBER, answers_match, as_number, extract_answer, format_ok
 
 RewardFn = Callable[[str, str], float]
 RewardTerm = str | RewardFn
@@ -25,6 +20,64 @@ RewardSpec = RewardTerm | Sequence[RewardTerm | tuple[RewardTerm, float]]
 
 _TERM = re.compile(r"\s*(?:(?P<weight>\d+(?:\.\d*)?(?:[eE]-?\d+)?)\s*\*\s*)?(?P<name>[\w.:]+)\s*")
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+WHOLE_NUMBER = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``, matching nested braces."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed{") - 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j].strip()
+    return None
+
+
+def after_hashes(text: str) -> str | None:
+    """GSM8K's final answer: what follows the last ``####``, without thousands separators."""
+    if "####" not in text:
+        return None
+    return text.rsplit("####", 1)[1].strip().replace(",", "") or None
+
+
+def extract_answer(text: str, *, last_number: bool = True) -> str | None:
+    """The answer a text gives: the whole text when it is a number, else the last
+    ``\\boxed{}``, else what follows ``####``, else (``last_number``) the last number."""
+    if (whole := WHOLE_NUMBER.fullmatch(text)) is not None:
+        return whole.group(1)
+    if (boxed := last_boxed(text)) is not None:
+        return boxed
+    if "####" in text or not last_number:
+        return after_hashes(text)
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+def as_number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").strip())
+    except ValueError:
+        return None
+
+
+def answers_match(predicted: str, reference: str) -> bool:
+    """Numeric equality when both sides are numbers, else math-verify's symbolic check."""
+    p, r = as_number(predicted), as_number(reference)
+    if p is not None and r is not None:
+        return p == r
+    from math_verify import parse, verify  # lazy: only LaTeX answers need it
+
+    # math-verify times out with SIGALRM, which only the main thread may set: an actor scoring
+    # in a worker thread would crash on it, so there it runs without a timeout.
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    # math-verify wants the gold answer in math delimiters to parse LaTeX.
+    gold = parse(f"${reference}$", parsing_timeout=limit)
+    guess = parse(f"${predicted}$", parsing_timeout=limit)
+    return bool(gold) and bool(guess) and bool(verify(gold, guess, timeout_seconds=limit))
 
 
 def exact_match(completion_text: str, answer: str) -> float:
@@ -37,8 +90,7 @@ def exact_match(completion_text: str, answer: str) -> float:
 
 
 def math_answer(completion_text: str, answer: str) -> float:
-    """1.0 when the answer read out of the text matches; the last number counts, so
-    ``"0009 12"`` (the model kept talking) does not score."""
+    """1.0 when the answer read out of the text (its last number) matches."""
     predicted = extract_answer(completion_text)
     return float(predicted is not None and answers_match(predicted, answer))
 
@@ -46,7 +98,8 @@ def math_answer(completion_text: str, answer: str) -> float:
 def format_reward(completion_text: str, answer: str) -> float:
     """1.0 for a well-formed completion: a bare number or a ``\\boxed{}`` answer."""
     del answer  # the shape alone counts
-    return float(format_ok(completion_text))
+    return float(WHOLE_NUMBER.fullmatch(completion_text) is not None
+                 or last_boxed(completion_text) is not None)
 
 
 REWARDS: dict[str, RewardFn] = {"exact": exact_match, "math": math_answer,
@@ -92,8 +145,7 @@ def _resolve(term: RewardTerm, default: str) -> RewardFn:
 
 
 def reward_terms(spec: RewardSpec = "auto") -> tuple[tuple[RewardTerm, float], ...]:
-    """``spec`` as ``(term, weight)`` pairs, checked without importing anything (a config's
-    validation); ``ValueError`` names the bad term."""
+    """``spec`` as ``(term, weight)`` pairs, checked without importing anything."""
     if isinstance(spec, str):
         terms: list[tuple[RewardTerm, float]] = []
         for part in spec.split("+"):
@@ -124,10 +176,6 @@ class WeightedReward:
     def __post_init__(self) -> None:
         for term, _ in self.terms:
             _resolve(term, self.default)  # an import path that fails, fails here
-
-    @property
-    def names(self) -> list[str]:
-        return [t if isinstance(t, str) else getattr(t, "__name__", repr(t)) for t, _ in self.terms]
 
     def __call__(self, completion_text: str, answer: str) -> float:
         total = 0.0

@@ -1,7 +1,5 @@
-"""The four stages of the toy GRPO ring on :mod:`grpo_nb.ring`'s skeleton: the generator samples
-``G`` arms from its MLP, the scorer rewards the teacher's arm and computes the group advantages,
-the reference adds its log-probs (for the KL term), the trainer takes a GRPO step, sends its new
-weights (``ToyConfig.selection``) and issues credits to every generator (``ToyConfig.mode``).
+"""The toy GRPO ring's four stages on :mod:`grpo_nb.ring`'s skeleton; each hop carries one
+:class:`~grpo_nb.toy.task.Group`.
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ from typing import Any
 import torch
 
 from grpo_nb import grpo
-from grpo_nb.actors import current_rank, endpoint, send
-from grpo_nb.ring import Relay, Sink, Source, share
+from grpo_nb.actors import endpoint, send
+from grpo_nb.ring import Relay, Sink, Source
 from grpo_nb.toy.task import (
     Group,
     ToyConfig,
@@ -32,14 +30,12 @@ class Generator(Source):
 
     def __init__(self, cfg: ToyConfig, weights: dict, out: Any, metrics: Any) -> None:
         self.cfg, self.out = cfg, out
-        self.rank = current_rank().rank
-        self.attach(metrics, f"gen{self.rank}")
+        self.open_credits(cfg.generators, metrics)
         self.rng = torch.Generator().manual_seed(cfg.seed * 1009 + 17 * self.rank + 1)
         self.policy = build_policy(cfg)
         self.policy.load_state_dict(weights)
-        self.version = self.allowed = 0  # of the weights it samples with; its share of the credits
+        self.version = 0  # of the weights it samples with
         self.pending: tuple[int, dict] | None = None
-        self.changed = asyncio.Event()
 
     @endpoint
     async def start(self) -> None:
@@ -50,19 +46,9 @@ class Generator(Source):
         if self.pending is None or version > self.pending[0]:
             self.pending = (version, weights)  # only the newest matters
 
-    @endpoint
-    async def progress(self, version: int, issued: int) -> None:
-        """The trainer's version (the toy samples with the weights it was sent) and how many
-        groups the ring may have issued in all."""
-        self.allowed = share(issued, self.rank, self.cfg.generators)
-        self.changed.set()
-
     async def _produce(self) -> None:
-        made = 0
         while True:
-            while made >= self.allowed:
-                self.changed.clear()
-                await self.changed.wait()
+            await self.credit()
             if self.pending is not None:  # weights arrive before the credits they come with
                 self.version, weights = self.pending
                 self.policy.load_state_dict(weights)
@@ -77,7 +63,6 @@ class Generator(Source):
             await asyncio.sleep(decode_time(self.cfg, z))  # stands for an LLM's decoding time
             self.out.send(Group(obs, acts, logp_all[acts], self.version, self.name, time.time()))
             self.busy.add("generate", start)
-            made += 1
 
 
 class Scorer(Relay):
@@ -165,7 +150,7 @@ class Trainer(Sink):
         self.report("exited", actor=self.name, dropped=await self.discard_queued())
 
     def _evaluate(self) -> tuple[float, float]:
-        """Exact expected reward and mean entropy (nats) over the fixed eval states: no sampling noise."""
+        """Exact expected reward and mean entropy (nats) over the fixed eval states."""
         with torch.no_grad():
             logits = self.policy(self.eval_obs)
             probs = torch.softmax(logits, dim=-1)

@@ -1,6 +1,5 @@
-"""Run the toy GRPO ring: spawn and wire the four stages of :mod:`grpo_nb.toy.actors` with the
-shared :class:`~grpo_nb.ring.Controller`, record every step, summarise; ``python -m grpo_nb toy``.
-``cfg.backend`` picks the runtime: ``"asyncio"`` (this process) or ``"monarch"`` (processes).
+"""The toy ring's controller: ``run_ring(cfg)`` spawns, wires and runs the stages of
+:mod:`grpo_nb.toy.actors`, then summarises; ``python -m grpo_nb toy``.
 """
 
 from __future__ import annotations
@@ -14,10 +13,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, replace
 
-from grpo_nb.config import smoke_mode
+from grpo_nb.config import preset
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.ring import Controller, Event
 from grpo_nb.toy.actors import Generator, Reference, Scorer, Trainer
@@ -41,7 +39,6 @@ class RingResult:
     staleness_max: int
     dropped: int
     run_dir: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def summarize(rec: MetricsRecorder, cfg: ToyConfig, wall_s: float, dropped: int = 0) -> RingResult:
@@ -73,12 +70,7 @@ async def run_ring(
     *,
     stop_timeout_s: float = 10.0,
 ) -> RingResult:
-    """Spawn the ring, train ``cfg.steps`` steps, shut it down cleanly; return a summary.
-
-    ``on_step(recorder)`` is called on the controller after every logged step (live plots,
-    progress bars). Cancelling this coroutine (or a KeyboardInterrupt) stops every actor and
-    runs their ``__cleanup__`` before the exception propagates.
-    """
+    """Train ``cfg.steps`` steps (``on_step(recorder)`` after each), stop every actor; a summary."""
     ctl = Controller(cfg.backend, recorder, stop_timeout_s=stop_timeout_s)
     async with ctl:
         gen_procs = ctl.procs(cfg.generators)
@@ -121,7 +113,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--name", help="run folder name under runs/ (default: toy-<backend>-<time>)")
     args = parser.parse_args(argv)
 
-    cfg = ToyConfig.smoke() if (args.smoke or smoke_mode()) else ToyConfig()
+    cfg = preset(ToyConfig, args.smoke or None)
     overrides = {"steps": args.steps, "generators": args.generators, "kl_coef": args.kl_coef}
     cfg = replace(cfg, seed=args.seed, backend=args.backend, **{k: v for k, v in overrides.items() if v is not None})
     if cfg.backend == "monarch":
@@ -151,6 +143,5 @@ def cli(argv: list[str]) -> int:
         bar.close()
         rec.close()
     png = save_figure(rec, rec.run_dir / "toy.png", optimum=cfg.optimum, random_reward=cfg.random_reward)
-    result.extra["png"] = str(png)
-    print(json.dumps(asdict(result)))
+    print(json.dumps({**asdict(result), "png": str(png)}))
     return 0

@@ -1,16 +1,8 @@
-"""When does asynchrony pay? The toy ring in ``mode="sync"`` vs ``"async"`` as generation time grows
-a heavy tail, with a cost model that predicts both, to check against the measurement.
-
-Each step needs ``groups_per_step`` groups from ``K`` generators that decode concurrently (each
-makes ``groups_per_step / K`` of them, one after another), then one trainer step. In sync mode
-the step waits for its slowest generator, then for the trainer; in async mode the generators
-keep decoding while the trainer trains:
+"""When does asynchrony pay? The toy ring in ``mode="sync"`` vs ``"async"`` as decode time grows
+a heavy tail, against a cost model (``K`` generators, ``c`` the ring's own cost per step)::
 
     predicted sync step  ≈ E[max over generators of its groups' decode time] + train + c
     predicted async step ≈ max(E[one generator's decode time per step], train + c)
-
-where ``c`` is the ring's own cost per step, measured once by a run with no simulated time.
-Both modes send weights to all generators, so async's only staleness is run-ahead.
 """
 
 from __future__ import annotations

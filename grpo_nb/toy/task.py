@@ -1,9 +1,5 @@
-"""The toy task and policy: a contextual bandit with a known optimum, and an MLP that learns it.
-
-A random state ``s ∈ R^obs_dim`` is the prompt; the policy picks one of ``arms`` actions; the
-reward is 1 for the arm a fixed hidden teacher ``W*`` prefers (``argmax W* s``), else 0. A random
-policy earns ``1/arms``, the best exactly 1.0, so a plot shows the gap to a known optimum.
-:class:`Group` is the ring's one message: each stage fills in its field.
+"""The toy task: a random state is the prompt, the MLP policy picks one of ``arms``, and the
+reward is 1 for the arm a hidden teacher ``W*`` prefers (``argmax W* s``): optimum 1, random ``1/arms``.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from grpo_nb.grpo import AdvScale
+from grpo_nb.grpo import ADV_SCALES, KL_KINDS, AdvScale, KLKind
 
 
 @dataclass(frozen=True)
@@ -32,46 +28,37 @@ class ToyConfig:
     lr: float = 0.02
     clip: float = 0.2
     kl_coef: float = 0.02
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_kind: KLKind = "k3"
     adv_scale: AdvScale = "std"  # "none": no division by the group's std (Dr. GRPO)
     seed: int = 0
-    # Simulated decoding time per group: sampling from a tiny MLP takes microseconds, unlike
-    # an LLM. gen_delay_tail > 0 multiplies it by a log-normal factor of mean 1 and that sigma
-    # (1.5: one group in a hundred takes over 10x the mean, like an answer that runs to max_tokens).
+    # Simulated decode time per group (an MLP samples in microseconds) and its log-normal tail.
     gen_delay_s: float = 0.02
     gen_delay_tail: float = 0.0
-    # Simulated time of a trainer step beyond its tiny computation (a backward pass elsewhere).
+    # Simulated time of a trainer step beyond its tiny computation.
     train_delay_s: float = 0.0
-    # Credits, as in the LLM ring: the trainer issues them and generator r of K makes its share.
-    # "async" keeps 1 + max_ahead steps' worth outstanding; "sync" issues one step's worth only
-    # after each update (with weights to every generator: on-policy).
+    # Credits: "async" keeps 1 + max_ahead steps' worth of groups issued, "sync" one step's worth.
     mode: Literal["async", "sync"] = "async"
     max_ahead: int = 2
     eval_states: int = 512
-    # Who gets the trainer's new weights: "choose" sends them to ONE generator picked at random
-    # (cheap, as in Monarch's example; the others keep sampling with older weights); "all" to all.
+    # New weights go to ONE generator picked at random (as in Monarch's example), or to "all".
     selection: Literal["choose", "all"] = "choose"
     backend: Literal["asyncio", "monarch"] = "asyncio"
-    # "per_role": a process mesh per role (K + 3 processes on Monarch, as in Monarch's example);
-    # "shared": scorer, reference and trainer share one process (K + 1: faster to start).
+    # A process mesh per role (K + 3 processes on Monarch), or scorer, reference, trainer in one.
     layout: Literal["per_role", "shared"] = "per_role"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "generators", "group_size", "groups_per_step", "obs_dim", "hidden", "eval_states"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ToyConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.group_size < 2:
-            raise ValueError(f"ToyConfig.group_size must be >= 2 (a group needs a spread), got {self.group_size}")
-        if self.arms < 2:
-            raise ValueError(f"ToyConfig.arms must be >= 2, got {self.arms}")
+        lows = {**dict.fromkeys(("steps", "generators", "groups_per_step", "obs_dim", "hidden",
+                                 "eval_states"), 1), "group_size": 2, "arms": 2,
+                **dict.fromkeys(("kl_coef", "gen_delay_s", "gen_delay_tail", "train_delay_s",
+                                 "max_ahead"), 0)}
+        for name, low in lows.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"ToyConfig.{name} must be >= {low}, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"ToyConfig.lr must be a positive number, got {self.lr}")
         if not 0 <= self.clip < 1:
             raise ValueError(f"ToyConfig.clip must be in [0, 1), got {self.clip}")
-        for name in ("kl_coef", "gen_delay_s", "gen_delay_tail", "train_delay_s", "max_ahead"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"ToyConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name, allowed in (("kl_kind", ("k1", "k2", "k3")), ("adv_scale", ("std", "none")),
+        for name, allowed in (("kl_kind", KL_KINDS), ("adv_scale", ADV_SCALES),
                               ("mode", ("async", "sync")), ("selection", ("choose", "all")),
                               ("backend", ("asyncio", "monarch")), ("layout", ("per_role", "shared"))):
             if getattr(self, name) not in allowed:
@@ -79,13 +66,11 @@ class ToyConfig:
 
     @classmethod
     def smoke(cls) -> ToyConfig:
-        """Small enough for CI (a few seconds), large enough to learn visibly; gen_delay_s keeps
-        the notebook's live run going for a few seconds even on fast CPUs."""
+        """A few seconds, long enough to watch it learn live."""
         return cls(steps=100, gen_delay_s=0.03)
 
     @property
     def optimum(self) -> float:
-        """Best achievable expected reward: always picking the teacher's arm pays 1."""
         return 1.0
 
     @property
@@ -110,8 +95,7 @@ class Group:
 
 
 def build_policy(cfg: ToyConfig, seed: int | None = None) -> nn.Module:
-    """The MLP policy; with ``seed``, its initial weights are drawn from that seed only (the
-    process's global random state is left as it was)."""
+    """The MLP policy; with ``seed``, drawn from that seed only (the global RNG left alone)."""
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
@@ -120,8 +104,7 @@ def build_policy(cfg: ToyConfig, seed: int | None = None) -> nn.Module:
 
 
 def decode_time(cfg: ToyConfig, z: float) -> float:
-    """A group's simulated decode time for a standard normal draw ``z``: ``gen_delay_s`` times a
-    log-normal factor of mean 1 whose sigma is ``gen_delay_tail``."""
+    """``gen_delay_s`` times a mean-1 log-normal factor (sigma ``gen_delay_tail``) of draw ``z``."""
     sigma = cfg.gen_delay_tail
     return cfg.gen_delay_s * math.exp(sigma * z - sigma * sigma / 2)
 

@@ -1,7 +1,5 @@
-"""Trainer → running vLLM server weight sync: vLLM's own weight-transfer flow, with a CPU
-engine of ours (gloo), reload from disk, and vLLM's NCCL / IPC engines on GPUs; every sync
-exactly verifiable. The server loads :mod:`grpo_nb.weight_sync.worker` with
-``--worker-extension-cls`` (:meth:`WeightSyncConfig.server_settings`)."""
+"""Trainer → running vLLM server weight sync through vLLM's weight-transfer flow (gloo on CPU,
+reload from disk, NCCL / IPC on GPUs), every sync exactly verifiable."""
 
 from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError
 from grpo_nb.weight_sync.config import EXTENSION, SyncResult, WeightSyncConfig, model_bytes

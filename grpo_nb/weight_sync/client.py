@@ -1,17 +1,15 @@
-"""The trainer's HTTP control plane to one vLLM server (dev-mode routes, loopback only).
-Every call raises :class:`WeightSyncError` on a non-2xx answer or a dead server, so a failed
-sync never goes unnoticed, and is counted in :attr:`VLLMControlClient.round_trips`."""
+"""The trainer's HTTP control plane to one vLLM server (dev-mode routes, loopback only); every
+call is counted and raises :class:`WeightSyncError` on a non-2xx answer or a dead server."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
 
 import httpx
 
-from grpo_nb.serving.net import http
+from grpo_nb.serving.net import auth_headers, env_api_key, http
 
 PROMPT_LOGPROBS_TIMEOUT_S = 120.0
 
@@ -21,14 +19,12 @@ class WeightSyncError(RuntimeError):
 
 
 class VLLMControlClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol over HTTP (structural: no vLLM import), plus
-    pause / resume, ``/collective_rpc`` into our worker extension, the version, log-probs."""
+    """vLLM's ``VLLMWeightSyncClient`` protocol over HTTP, plus pause, RPCs and log-probs."""
 
     def __init__(self, base_url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        # A keyed server answers 401 on /v1 routes without it.
-        self.api_key = api_key or os.environ.get("VLLM_API_KEY") or None
+        self.api_key = api_key or env_api_key()  # a keyed server answers 401 on /v1 without it
         self.round_trips = 0
         self._count_lock = threading.Lock()
         self._model: str | None = None
@@ -36,8 +32,7 @@ class VLLMControlClient:
     def __repr__(self) -> str:  # never show the key
         return f"VLLMControlClient({self.base_url!r}, timeout={self.timeout})"
 
-    # ── vLLM's VLLMWeightSyncClient protocol ──
-
+    # vLLM's VLLMWeightSyncClient protocol: these four methods
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._request("POST", "init_weight_transfer_engine", json={"init_info": init_info})
 
@@ -55,16 +50,13 @@ class VLLMControlClient:
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._request("POST", "finish_weight_update", json=body)
 
-    # ── the routes around them ──
-
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         url = f"{self.base_url}/{path.lstrip('/')}"
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         with self._count_lock:
             self.round_trips += 1
         try:
             response = http().request(method, url, timeout=kwargs.pop("timeout", None)
-                                      or self.timeout, headers=headers, **kwargs)
+                                      or self.timeout, headers=auth_headers(self.api_key), **kwargs)
         except httpx.TransportError as err:
             raise WeightSyncError(f"{method} {url}: {type(err).__name__}: {err}") from err
         if not response.is_success:
@@ -85,24 +77,20 @@ class VLLMControlClient:
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[Any]:
-        """Call a worker method (worker.py); ``timeout`` bounds this HTTP call only. vLLM's
-        own RPC timeout is never sent: when it fires, the late reply stays queued and every
-        later RPC receives its predecessor's (``MultiprocExecutor`` dequeues one per call)."""
+        """Call a worker method (worker.py); ``timeout`` bounds this HTTP call only (vLLM's RPC
+        timeout would leave a late reply queued for the next call)."""
         body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}}
         response = self._request("POST", "collective_rpc", json=body, timeout=timeout)
         return response.json().get("results", []) if response.content else []
 
     def running_requests(self) -> int:
-        """Requests the engine is decoding now: vLLM's ``vllm:num_requests_running`` gauge
-        (``/metrics``, Prometheus text; summed over its engines)."""
+        """Requests the engine is decoding now (the ``vllm:num_requests_running`` gauge)."""
         text = self._request("GET", "metrics").text
         return int(sum(float(line.split()[-1]) for line in text.splitlines()
                        if line.startswith("vllm:num_requests_running")))
 
     def wait_running(self, at_least: int = 1, timeout: float = 10.0) -> bool:
-        """Wait until the engine decodes ``at_least`` requests; False if it does not within
-        ``timeout`` seconds. Blocks: from ``asyncio`` code, run it in a thread, or the
-        requests it waits for are never sent."""
+        """Block until the engine decodes ``at_least`` requests (False after ``timeout`` s)."""
         deadline = time.monotonic() + timeout
         while self.running_requests() < at_least:
             if time.monotonic() > deadline:
@@ -126,10 +114,8 @@ class VLLMControlClient:
         return self._model
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """The served model's log-prob of each token of each sequence after its first, given
-        the tokens before it (``len(seq) - 1`` values; vLLM scores prompt tokens on raw
-        logits: temperature 1). Each request waits up to ``PROMPT_LOGPROBS_TIMEOUT_S``: a
-        server's first request with log-probs compiles its sampler's kernels."""
+        """The served model's log-prob of each token after the first, given those before it
+        (temperature 1); a first such request compiles kernels, hence the long timeout."""
         rows = []
         for seq in sequences:
             body = {"model": self.model_name(), "prompt": list(seq), "max_tokens": 1,

@@ -19,7 +19,9 @@ class WeightSyncConfig:
     """How weights travel to the server (:mod:`grpo_nb.weight_sync.syncer` runs a sync)."""
 
     transport: Transport = "gloo"  # CPU: gloo (our engine), reload (from disk); GPU: nccl, ipc
-    pause_mode: PauseMode = "keep"  # what happens to requests in flight during a sync
+    # requests in flight: keep (frozen, continued on new weights), wait (drained), abort;
+    # none: no /pause (CPU engines update between two steps)
+    pause_mode: PauseMode = "keep"
     verify: bool = True  # check that the server received exactly the trainer's weights
     send_dtype: str | None = None  # what tensors travel (and are checked) in; None: the server's
     timeout_s: float = 20.0  # bounds every HTTP call, the group, and each transfer as a whole
@@ -55,10 +57,7 @@ class WeightSyncConfig:
 
 @dataclass
 class SyncResult:
-    """What one sync did. ``phases``: milliseconds per step (``reset``, ``pause``,
-    ``transfer`` on the trainer, ``load`` on the server, ``cache``, ``version``, ``resume``,
-    ``total``; gloo adds the server's ``start``, ``update`` = ``wait`` on the wire + ``load``,
-    ``finish``, and ``rpc``, its one update call)."""
+    """What one sync did; ``phases``: milliseconds per step (``pause``, ``transfer``, …)."""
 
     version: int  # now served
     ms: float

@@ -1,11 +1,6 @@
-"""The gloo transport's trainer side: a CPU weight-transfer engine for vLLM (vLLM 0.32's own
-engines all need CUDA), its loopback-only group, and the trainer's weights as every engine
-reads them (:class:`SendSource`); the worker side is :mod:`grpo_nb.weight_sync.worker`.
-
-One sync is one ``/collective_rpc`` (``grpo_gloo_sync``: start, update and finish as one engine
-step, so no forward pass sees a half-loaded model) while the trainer broadcasts each parameter
-from its own storage. Closing a group aborts its sockets: a peer's pending operations fail at
-once instead of at the group's timeout.
+"""The gloo transport's trainer side: a CPU weight-transfer engine for vLLM (its own engines
+need CUDA), its loopback-only group, and :class:`SendSource`; the worker side is in worker.py.
+One sync is one ``/collective_rpc`` (one engine step) while the trainer broadcasts each tensor.
 """
 
 from __future__ import annotations
@@ -34,29 +29,19 @@ STATUS_OK, STATUS_ABORTED = 1, 0  # the last broadcast of a sync: did the traine
 _register_lock = threading.Lock()
 
 
-# ── the group: every listening socket on 127.0.0.1 (torch's store and gloo's default device
-# bind every interface, and the worker loads whatever arrives as weights); torch.distributed's
-# global state is left alone, so the group coexists with any other.
+# The group: every listening socket on 127.0.0.1 (torch's store and gloo's default device bind
+# every interface, and the worker loads whatever arrives as weights); torch.distributed's global
+# state is left alone, so the group coexists with any other.
 
 
 def listen_loopback() -> socket.socket:
-    """A listening socket on ``127.0.0.1`` and a free port, for rank 0's store (bound here,
-    not by the store: that pins the address and no other process can take the port)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((LOOPBACK, 0))
-        sock.listen(8)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    """A listening socket on a free loopback port for rank 0's store (bound here: no race)."""
+    return socket.create_server((LOOPBACK, 0), backlog=8)
 
 
 def open_group(rank: int, world_size: int, timeout_s: float, *, port: int | None = None,
                listen_socket: socket.socket | None = None, host: str = LOOPBACK) -> Any:
-    """Join a gloo group of ``world_size`` ranks; blocks until all joined (or timeout).
-    Rank 0 hosts the store on ``listen_socket`` (:func:`listen_loopback`), the others pass its
-    ``port``."""
+    """Join a gloo group (blocks): rank 0 hosts the store on ``listen_socket``, others at port."""
     from torch._C._distributed_c10d import ProcessGroup
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
@@ -89,14 +74,9 @@ def open_group(rank: int, world_size: int, timeout_s: float, *, port: int | None
 
 
 def close_group(group: Any) -> None:
-    """Abort the group: its sockets close at once, so a peer blocked in a receive fails now
-    instead of at the timeout. Never raises (an abort may re-raise the error of a pending
-    operation, already reported where it happened)."""
+    """Abort the group, so a peer blocked in a receive fails now, not at the timeout."""
     with contextlib.suppress(Exception):
         group.abort()
-
-
-# ── what the worker is told (its engine: worker.py) ─────────────────────────────────────────
 
 
 @dataclass
@@ -123,12 +103,8 @@ class GlooUpdateInfo(base.WeightTransferUpdateInfo):
             raise ValueError("GlooUpdateInfo: names, dtype_names and shapes differ in length")
 
 
-# ── trainer side ───────────────────────────────────────────────────────────────────────────
-
-
 class SendSource(base.ModuleSource):
-    """vLLM's ``ModuleSource`` with every tensor cast to ``dtype`` on the trainer: fp32
-    masters reach a bf16 server as bf16, the very bytes the digests check."""
+    """vLLM's ``ModuleSource`` with every tensor cast to ``dtype`` (the bytes digests check)."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
         super().__init__(module)
@@ -152,10 +128,7 @@ class GlooTrainerInitInfo(base.TrainerInitInfo):
 
 
 class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """Trainer-side engine: broadcasts each parameter from its own storage while one
-    ``collective_rpc`` (our ``VLLMControlClient``'s) runs the worker's ``grpo_gloo_sync``.
-    :attr:`last` holds the last send's timings in ms: ``transfer`` and ``rpc`` here, and the
-    worker's ``start``, ``update`` (``wait`` + ``load``) and ``finish``."""
+    """Broadcasts each parameter while one ``collective_rpc`` runs the worker's receive."""
 
     init_info_cls = GlooTrainerInitInfo
 
@@ -164,7 +137,7 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.timeout_s = timeout_s
         self.group: Any = None
-        self.last: dict[str, float] = {}
+        self.last: dict[str, float] = {}  # the last send's timings in ms, both sides
         # One long-lived thread for the update RPC: its HTTP connection stays open between syncs.
         self._rpc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-gloo-rpc")
 
@@ -191,8 +164,7 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         return engine
 
     def send_weights(self, record: bool = False) -> None:
-        """One sync: the worker's RPC runs concurrently with our broadcasts; ``record``: the
-        worker digests every tensor it loads (the syncer's exact verification)."""
+        """One sync; ``record``: the worker digests every tensor it loads."""
         assert self.source is not None and self.group is not None
         meta = self.source.metadata()
         info = GlooUpdateInfo(names=[m.name for m in meta],
@@ -224,9 +196,8 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
 
     def _post_sends(self, meta: list[base.ParamMeta], works: list[Any],
                     keep: list[torch.Tensor]) -> Exception | None:
-        """Post one broadcast per tensor, then the status word; return a trainer-side error.
-        If reading a tensor fails midway, the rest go out as zeros and the status says
-        "aborted", so the worker, already waiting for them, fails at once."""
+        """Post one broadcast per tensor, then the status word; a failure midway sends zeros
+        for the rest and "aborted", so the waiting worker fails at once (returned)."""
         failure: Exception | None = None
         try:
             for m, (name, tensor) in zip(meta, self.source, strict=True):
@@ -269,8 +240,7 @@ def _wait_all(works: list[Any], rpc: Future, deadline: float) -> None:
 
 
 def register() -> None:
-    """Add the trainer-side ``gloo`` engine to vLLM's trainer registry (idempotent; the
-    worker registers its side when it imports worker.py)."""
+    """Add the trainer-side ``gloo`` engine to vLLM's trainer registry (idempotent)."""
     with _register_lock:
         if BACKEND not in WeightTransferTrainerFactory._registry:
             WeightTransferTrainerFactory.register_engine(BACKEND,

@@ -1,14 +1,7 @@
 """Push the trainer's weights into a running vLLM server, and prove they arrived.
-
-:meth:`WeightSyncer.sync` runs vLLM's own weight-update flow: ``/pause``, every tensor in the
-send dtype (``gloo``: our engine; ``nccl`` / ``ipc``: vLLM's CUDA engines, through the same
-factory; ``reload``: safetensors on disk), the new weight version, ``/resume``, then
-optionally :meth:`WeightSyncer.verify`. A failure after the transfer began leaves the server
-paused on purpose (its weights are half-new) until a full re-send succeeds; every call and
-transfer is bounded by ``timeout_s``. Pause modes: ``keep`` freezes requests in flight and
-continues them on the new weights, ``wait`` lets them finish, ``abort`` ends them; ``none``
-(CPU engines, which run the one update RPC between two engine steps) sends no ``/pause``, and
-new requests are salted with the policy version or find the prefix cache dropped.
+:meth:`WeightSyncer.sync` runs vLLM's weight-update flow (``/pause``, every tensor, the new
+version, ``/resume``), every step bounded by ``timeout_s``. A failure after the transfer began
+leaves the server paused (its weights are half-new) until a full re-send succeeds.
 """
 
 from __future__ import annotations
@@ -70,12 +63,9 @@ class WeightSyncer:
             self._dtype = dtype
         return self._dtype
 
-    # ── setup / teardown ──
-
     def connect(self) -> None:
-        """Join the server's transfer engine (a no-op for ``reload``). It is built, and later
-        driven, under the model's device (:func:`device_scope`): vLLM's CUDA engines use the
-        calling thread's current device, 0 in a fresh thread, and the ring syncs from threads."""
+        """Join the server's transfer engine (not for ``reload``), under the model's device:
+        vLLM's CUDA engines use the calling thread's current device."""
         if self.engine is not None or self.cfg.transport == "reload":
             return
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -123,8 +113,6 @@ class WeightSyncer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ── the sync itself ──
 
     def sync(self, version: int, *, verify: bool | None = None) -> SyncResult:
         """Send the model's weights as ``version``; ``verify`` overrides ``cfg.verify``."""
@@ -222,8 +210,7 @@ class WeightSyncer:
             self.client.set_weight_version(version)
 
     def _bounded(self, send: Callable[[], None]) -> None:
-        """One transfer on a daemon thread, abandoned after ``timeout_s`` + ``GRACE_S`` (a
-        stalled send cannot be interrupted, and a daemon thread never delays the exit)."""
+        """One transfer on a daemon thread, abandoned after ``timeout_s`` + ``GRACE_S``."""
         limit = self.cfg.timeout_s + GRACE_S
         done: Future = Future()
         device = self._device()
@@ -257,12 +244,9 @@ class WeightSyncer:
             self.client.collective_rpc("grpo_reload_weights", {"weights_path": str(self._tmp)},
                                        timeout=self.cfg.timeout_s)
 
-    # ── verification ──
-
     def verify(self, version: int | None = None) -> bool:
-        """Raise unless every parameter, in the send dtype, reached the server model's
-        ``load_weights`` once, bit for bit, in the last sync made with ``verify=True``, and
-        the server serves weight ``version``."""
+        """Raise unless the last ``verify=True`` sync delivered every parameter once, bit for
+        bit, and the server serves weight ``version``."""
         records = self.client.collective_rpc("grpo_update_record", timeout=self.cfg.timeout_s)
         self._armed = False
         expected = check.expected_digests(self.model, self.send_dtype())
@@ -280,9 +264,8 @@ class WeightSyncer:
         return True
 
     def weight_gap(self) -> float:
-        """Largest |log-prob difference| between server and trainer on fixed random tokens:
-        the behavioural view of a sync (teaching; read against ``cfg.atol``). It is never
-        exactly 0 in bf16, which is why :meth:`verify` compares digests."""
+        """Largest |log-prob difference| between server and trainer on fixed random tokens,
+        read against ``cfg.atol`` (never exactly 0 in bf16: :meth:`verify` is the proof)."""
         gen = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, int(self.model.config.vocab_size),
                             (self.cfg.probe_batch, self.cfg.probe_len), generator=gen)

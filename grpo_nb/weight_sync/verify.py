@@ -1,13 +1,11 @@
-"""Exact proof that a sync landed: per-tensor digests of what the server model's
-``load_weights`` (every transport's last step) received, recorded by
-:mod:`grpo_nb.weight_sync.worker`, against the trainer's tensors. The served parameters cannot
-be compared (vLLM fuses and repacks them). A digest hashes dtype, shape and raw bytes: a
-skipped, stale, wrongly cast or single-bit-flipped tensor fails, in every dtype.
+"""Exact proof that a sync landed: digests (dtype, shape, bytes) of what the server model's
+``load_weights`` received, against the trainer's tensors (served parameters are repacked).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -29,16 +27,14 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 def sent_tensors(model: torch.nn.Module, dtype: torch.dtype
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """What a sync sends: every parameter once (a tied weight under its first name), cast to
-    ``dtype`` on the trainer (a copy only when the dtype differs)."""
+    """What a sync sends: every parameter once, cast to ``dtype`` on the trainer."""
     for name, p in model.named_parameters():
         yield name, _full(p).to(dtype)
 
 
 def expected_digests(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, str]:
-    """The digest the server must have recorded for each parameter. Read from the model, not
-    from :func:`sent_tensors`: a send path that drops or alters a tensor must not change what
-    the check expects."""
+    """The digest the server must have recorded for each parameter (read from the model, not
+    the send path, so a faulty send cannot change what is expected)."""
     return {name: digest(_full(p).to(dtype)) for name, p in model.named_parameters()}
 
 
@@ -47,12 +43,8 @@ def compare(expected: dict[str, str], received: list[list[str]] | None) -> str |
     if received is None:
         return ("the server recorded no digests of the last update (verify() checks the update "
                 "of a sync made with verify=True)")
-    seen: dict[str, str] = {}
-    twice = []
-    for name, d in received:
-        if name in seen:
-            twice.append(name)
-        seen[name] = d
+    seen = dict(received)
+    twice = [name for name, n in Counter(name for name, _ in received).items() if n > 1]
     missing = [name for name in expected if name not in seen]
     extra = [name for name in seen if name not in expected]
     differ = [name for name in expected if name in seen and seen[name] != expected[name]]

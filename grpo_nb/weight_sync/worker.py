@@ -1,10 +1,6 @@
-"""Code that runs inside the vLLM worker, loaded with ``--worker-extension-cls``.
-
-vLLM mixes :class:`GrpoWorkerExtension` into its worker class, so each method is callable
-through ``POST /collective_rpc``, which the engine core runs between two engine steps (never
-queued behind generation). Importing this module registers the worker side of the gloo engine
-(:class:`GlooWeightTransferEngine`), so ``--weight-transfer-config '{"backend": "gloo"}'``
-resolves in the worker process (vLLM's registry is per process).
+"""Code that runs inside the vLLM worker (``--worker-extension-cls``): RPC methods called
+through ``/collective_rpc`` between engine steps, and the worker side of the gloo engine,
+registered on import (vLLM's registry is per process).
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ def plan_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[lis
 
 
 def layer_key(name: str) -> str:
-    """``model.layers.3.mlp.up_proj.weight`` → ``model.layers.3``: tensors loaded together
-    (vLLM processes a layer once all its tensors are in)."""
+    """``model.layers.3.mlp.up_proj.weight`` → ``model.layers.3``: tensors loaded together."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part.isdigit():
@@ -45,12 +40,8 @@ def layer_key(name: str) -> str:
 
 
 def refresh_tied_heads(model: torch.nn.Module) -> int:
-    """Rebuild the kernel state of every output head tied to the input embedding (how many).
-
-    vLLM's layerwise reload processes a layer when its own weights arrive; a tied ``lm_head``
-    gets none (the shared tensor arrives as ``embed_tokens.weight``), so its CPU kernel keeps
-    its packed copy of the weights the server started with unless rebuilt here.
-    """
+    """Rebuild the kernel state of every ``lm_head`` tied to the embedding (how many): the
+    layerwise reload never processes it, so its CPU kernel would keep the old packed weights."""
     from vllm.model_executor.layers import vocab_parallel_embedding as vpe
 
     inputs = {id(m.weight) for m in model.modules()
@@ -151,10 +142,8 @@ if gloo.BACKEND not in WeightTransferEngineFactory._registry:
 
 
 class _Recorder:
-    """Wraps the model's ``load_weights`` (every transport's last step); while armed, records
-    ``[name, digest]`` of each tensor before the model consumes it (a packed NCCL buffer is
-    reused right after). An unarmed update clears the record: a later read never reports an
-    older update as the last one."""
+    """Wraps the model's ``load_weights``; while armed, records ``[name, digest]`` of each
+    tensor before the model consumes it (an unarmed update clears the record)."""
 
     def __init__(self, model: Any) -> None:
         self.armed = False
@@ -183,8 +172,7 @@ class _Recorder:
 
 
 def _recorder(worker: Any) -> _Recorder:
-    """The worker's recorder, installed on first use (not a method: every method of the
-    extension becomes an RPC)."""
+    """The worker's recorder, installed on first use (a method would become an RPC)."""
     recorder = getattr(worker, "_grpo_weight_recorder", None)
     if recorder is None:
         recorder = worker._grpo_weight_recorder = _Recorder(worker.model_runner.get_model())
@@ -205,8 +193,7 @@ class GrpoWorkerExtension:
         return [name for name, t in tensors if t.is_meta]
 
     def grpo_reload_weights(self, weights_path: str) -> None:
-        """vLLM's ``reload_weights`` from a safetensors folder, then the tied output heads
-        rebuilt (the reload is layerwise too: :func:`refresh_tied_heads`)."""
+        """vLLM's ``reload_weights`` from a safetensors folder, then the tied heads rebuilt."""
         worker: Any = self
         worker.reload_weights(weights_path=weights_path)
         refresh_tied_heads(worker.model_runner.get_model())
@@ -221,14 +208,11 @@ class GrpoWorkerExtension:
         _recorder(self).begin(record)
 
     def grpo_update_record(self) -> list[list[str]] | None:
-        """``[name, digest]`` of every tensor the last armed update delivered to
-        ``load_weights``, in arrival order (``None``: not recorded); disarms."""
+        """``[name, digest]`` of each tensor the last armed update loaded (``None``: none)."""
         return _recorder(self).read()
 
     def grpo_abort_update(self) -> dict[str, bool]:
-        """A clean worker after a failed or stalled sync: close a weight update left open, put
-        back any layer a failed reload left mid-load (never on the meta device), and leave
-        the transfer group (the next sync opens a fresh one)."""
+        """After a failed sync: close the update, finish half-loaded layers, leave the group."""
         from vllm.model_executor.model_loader.reload import layerwise
 
         worker: Any = self
@@ -248,10 +232,8 @@ class GrpoWorkerExtension:
 
     def grpo_gloo_sync(self, update_info: dict[str, Any],
                        record: bool = False) -> dict[str, float]:
-        """vLLM's start → update → finish as one RPC; ``record``: digest every tensor
-        received. Returns the worker's timings in ms. If receiving fails, every layer is put
-        back on real tensors before the error propagates (the trainer keeps the server paused
-        until a full re-send succeeds)."""
+        """vLLM's start → update → finish as one RPC (timings in ms); a failed receive still
+        finishes the update, so no layer stays on the meta device."""
         worker: Any = self
         engine = worker.weight_transfer_engine
         if not isinstance(engine, GlooWeightTransferEngine) or engine.group is None:

