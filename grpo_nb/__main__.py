@@ -1,8 +1,5 @@
-"""``python -m grpo_nb COMMAND ...``: the course's command line.
-
-Each command lives in the module that owns the work and is imported only when run, so that
-``doctor`` works even when vLLM or Monarch is missing.
-"""
+"""``python -m grpo_nb COMMAND ...``: each command's module is imported only when it runs, so
+``doctor`` works even when vLLM or Monarch is missing."""
 
 from __future__ import annotations
 

@@ -46,8 +46,7 @@ def group_advantages(
     rewards: Tensor, group_size: int, *, scale: AdvScale = "std", eps: float = 1e-6
 ) -> Tensor:
     """Detached float32 ``[B]``; ``A_i = (r_i - mean_g) / (std_g + eps)`` with ``scale="std"``
-    (GRPO; unbiased std, as TRL), ``r_i - mean_g`` with ``"none"`` (Dr. GRPO); a flat group gets 0.
-    """
+    (GRPO; unbiased std, as TRL), ``r_i - mean_g`` with ``"none"`` (Dr. GRPO); a flat group gets 0."""
     if scale not in ADV_SCALES:
         raise ValueError(f"scale must be one of {ADV_SCALES}, got {scale!r}")
     g = _groups(rewards, group_size)

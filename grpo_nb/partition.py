@@ -20,9 +20,9 @@ CpuSpec = str | Sequence[int] | None
 class Plan:
     """Where the server tree and the trainer run; ``None`` everywhere: no partition."""
 
-    server_cpus: tuple[int, ...] | None
-    trainer_cpus: tuple[int, ...] | None
-    trainer_threads: int | None
+    server_cpus: tuple[int, ...] | None = None
+    trainer_cpus: tuple[int, ...] | None = None
+    trainer_threads: int | None = None
     why: str = ""
 
     @property
@@ -36,11 +36,6 @@ class Plan:
         return (f"vLLM server on core(s) {format_cpus(self.server_cpus)}, trainer on "
                 f"{format_cpus(self.trainer_cpus)} with {self.trainer_threads} torch "
                 f"thread(s) ({self.why})")
-
-
-def _off(why: str) -> Plan:
-    """No partition, and why."""
-    return Plan(None, None, None, why)
 
 
 def available_cpus() -> tuple[int, ...]:
@@ -94,12 +89,12 @@ def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *
     field = "server_cpus" if server_cpus is not None else ENV
     check_spec(spec, field)
     if spec == "off":
-        return _off(f"{field}=off")
+        return Plan(why=f"{field}=off")
     if spec == "auto":
         if gpu if gpu is not None else cuda_available():
-            return _off("a GPU does the work; CPU cores are not partitioned")
+            return Plan(why="a GPU does the work; CPU cores are not partitioned")
         if len(allowed) < 2:
-            return _off(f"only {len(allowed)} core")
+            return Plan(why=f"only {len(allowed)} core")
         return _split(allowed, (allowed[-1],), f"auto: the last of {len(allowed)} cores")
     chosen = parse_cpus(spec, field) if isinstance(spec, str) else tuple(sorted(set(spec)))
     if not set(chosen) <= set(allowed):
@@ -114,11 +109,11 @@ def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *
 def beside(server_cpus: Sequence[int] | None) -> Plan:
     """The trainer's side of a server tree already pinned to ``server_cpus``: the other cores."""
     if not server_cpus:
-        return _off("the server tree is not pinned")
+        return Plan(why="the server tree is not pinned")
     server = tuple(sorted(server_cpus))
     allowed = tuple(sorted({*available_cpus(), *server}))
     if allowed == server:
-        return _off(f"no core left beside the server's {format_cpus(server)}")
+        return Plan(why=f"no core left beside the server's {format_cpus(server)}")
     return _split(allowed, server, f"beside the server tree on {format_cpus(server)}")
 
 

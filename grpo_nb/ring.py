@@ -276,9 +276,8 @@ class Controller:
                     watchers: Sequence[Awaitable[Any]] = (),
                     explain: Callable[[Event], Awaitable[BaseException]] | None = None,
                     ) -> dict[str, dict[str, Any]]:
-        """Relay events into the recorder until every actor in ``until`` has exited; return their
-        exit data; a watcher that raises (a dead server) ends it with that error; ``explain(event)``
-        turns an actor's error into the exception raised."""
+        """Record events until every actor in ``until`` exited (their exit data returned); a watcher
+        that raises or an actor's error (through ``explain(event)``, if given) ends it."""
         waiting, exited = set(until), {}
         tasks = {asyncio.ensure_future(w) for w in watchers}
         recv: asyncio.Future | None = None

@@ -148,17 +148,6 @@ def _additions(cfg: TinyModelConfig, tokenizer: Any, a: Any, b: Any) -> tuple[An
     return seqs, labels
 
 
-def _fresh_batch(cfg: TinyModelConfig, tokenizer: Any, gen: Any, excluded: Any) -> tuple[Any, Any]:
-    """A new batch of additions, none from the test split."""
-    import torch
-
-    size = 10**cfg.task.digits
-    a = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
-    b = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
-    keep = ~excluded[a * size + b]
-    return _additions(cfg, tokenizer, a[keep][: cfg.batch_size], b[keep][: cfg.batch_size])
-
-
 def _sft(cfg: TinyModelConfig, model: Any, tokenizer: Any, progress: bool) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
@@ -181,7 +170,12 @@ def _sft(cfg: TinyModelConfig, model: Any, tokenizer: Any, progress: bool) -> di
     bar = tqdm(total=cfg.max_steps, desc="SFT warm start", disable=not progress, leave=False)
     try:
         while step < cfg.max_steps:
-            seqs, labels = _fresh_batch(cfg, tokenizer, gen, excluded)
+            # a fresh batch of additions, none from the test split
+            a = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
+            b = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
+            keep = ~excluded[a * size + b]
+            seqs, labels = _additions(cfg, tokenizer, a[keep][: cfg.batch_size],
+                                      b[keep][: cfg.batch_size])
             loss = model(input_ids=seqs, labels=labels, use_cache=False).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()

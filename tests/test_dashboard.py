@@ -159,7 +159,8 @@ def test_shipped_recordings_are_small_and_replot() -> None:
 
     for name in ("nb05-async", "nb05-sync", "nb05-stale0"):
         folder = RECORDED / name
-        assert (folder / "metrics.jsonl").stat().st_size < 300_000, name
+        # 100 steps with every busy interval of the timeline: about 0.6 MB
+        assert (folder / "metrics.jsonl").stat().st_size < 1_000_000, name
         result, rec = recorded_run(folder)
         assert result.steps == rec.rows("step")[-1]["step"], name
         assert result.weights_verified, name

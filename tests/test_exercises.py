@@ -26,7 +26,7 @@ import nbformat
 import pytest
 import torch
 
-from grpo_nb import tasks
+from grpo_nb import actors, tasks
 from grpo_nb.actors import Actor, Channel, concurrent_endpoint, endpoint
 from grpo_nb.config import preset
 from grpo_nb.course import exercises
@@ -162,33 +162,34 @@ def variants(exercise: str, ns: dict[str, Any], name: str,
     return out
 
 
-def test_04_ex1_mixed_groups_against_temperature(learning_mode: None) -> None:
+def judge_04(exercise: str, cells: tuple[str, str], checker: str, name: str,
+             edits: dict[str, tuple[str, str]]) -> None:
+    """Run 04 on a fake server up to ``cells``, then judge ``name`` and its wrong ``edits``."""
+
     async def scenario() -> None:
-        ns = await at_exercise_04("98bb0862", "a4c91e07", FakeVLLM())
-        sample = "cfg.replace(temperature=t)"
-        wrong = variants("04_ex1", ns, "mixed_at_temperature", {
-            "counts, not fractions": ("mixed / len(groups)", "mixed"),
-            "sampled at one temperature": (sample, "cfg"),
-            "temperatures swapped": (sample, "cfg.replace(temperature=1.8 - t)"),
-            "not scored": ("reward=score", "reward=None"),
-        })
-        await judge("04_ex1", ns["mixed_problems"], ns, "mixed_at_temperature", wrong)
+        ns = await at_exercise_04(*cells, FakeVLLM())
+        await judge(exercise, ns[checker], ns, name, variants(exercise, ns, name, edits))
 
     asyncio.run(scenario())
+
+
+def test_04_ex1_mixed_groups_against_temperature(learning_mode: None) -> None:
+    sample = "cfg.replace(temperature=t)"
+    judge_04("04_ex1", ("98bb0862", "a4c91e07"), "mixed_problems", "mixed_at_temperature", {
+        "counts, not fractions": ("mixed / len(groups)", "mixed"),
+        "sampled at one temperature": (sample, "cfg"),
+        "temperatures swapped": (sample, "cfg.replace(temperature=1.8 - t)"),
+        "not scored": ("reward=score", "reward=None"),
+    })
 
 
 def test_04_ex2_format_bonus(learning_mode: None) -> None:
-    async def scenario() -> None:
-        ns = await at_exercise_04("abd6c76d", "b83d5f16", FakeVLLM())
-        spec = 'tasks.make_reward("math+0.2*format")'
-        wrong = variants("04_ex2", ns, "bonus_groups", {
-            "no bonus": (spec, "score"),
-            "the 0.1 bonus": (spec, 'tasks.make_reward("math+0.1*format")'),
-            "too few prompts": ("prompts[:4]", "prompts[:2]"),
-        })
-        await judge("04_ex2", ns["bonus_problems"], ns, "bonus_groups", wrong)
-
-    asyncio.run(scenario())
+    spec = 'tasks.make_reward("math+0.2*format")'
+    judge_04("04_ex2", ("abd6c76d", "b83d5f16"), "bonus_problems", "bonus_groups", {
+        "no bonus": (spec, "score"),
+        "the 0.1 bonus": (spec, 'tasks.make_reward("math+0.1*format")'),
+        "too few prompts": ("prompts[:4]", "prompts[:2]"),
+    })
 
 
 def test_04_ex3_abort_requests_in_flight(learning_mode: None) -> None:
@@ -413,8 +414,11 @@ def test_01_ex2_unblock_the_manager(learning_mode: None) -> None:
     asyncio.run(scenario())
 
 
-class UnboundedQueue(Actor):
-    """Forgets to wait while full: every put returns at once."""
+class WrongQueue(Actor):
+    """A queue with one of Exercise 3's mistakes, chosen by its class attributes."""
+
+    bound: int | None = None  # None: never waits while full
+    take = 0  # the index get() hands out: 0 the oldest, -1 the newest
 
     def __init__(self, capacity: int) -> None:
         self.items: list = []
@@ -424,6 +428,8 @@ class UnboundedQueue(Actor):
     @concurrent_endpoint
     async def put(self, item: Any) -> None:
         async with self.changed:
+            if self.bound is not None:
+                await self.changed.wait_for(lambda: len(self.items) < self.bound)
             self.items.append(item)
             self.most = max(self.most, len(self.items))
             self.changed.notify_all()
@@ -432,31 +438,23 @@ class UnboundedQueue(Actor):
     async def get(self) -> Any:
         async with self.changed:
             await self.changed.wait_for(lambda: len(self.items) > 0)
-            return self.items.pop(0)
+            item = self.items.pop(self.take)
+            self.changed.notify_all()
+            return item
 
     @endpoint
     async def high_water(self) -> int:
         return self.most
 
 
-class NewestFirstQueue(UnboundedQueue):
+class UnboundedQueue(WrongQueue):
+    """Forgets to wait while full: every put returns at once."""
+
+
+class NewestFirstQueue(WrongQueue):
     """Bounded, but hands out the newest item."""
 
-    @concurrent_endpoint
-    async def put(self, item: Any) -> None:
-        async with self.changed:
-            await self.changed.wait_for(lambda: len(self.items) < 3)
-            self.items.append(item)
-            self.most = max(self.most, len(self.items))
-            self.changed.notify_all()
-
-    @concurrent_endpoint
-    async def get(self) -> Any:
-        async with self.changed:
-            await self.changed.wait_for(lambda: len(self.items) > 0)
-            item = self.items.pop()
-            self.changed.notify_all()
-            return item
+    bound, take = 3, -1
 
 
 def test_01_ex3_bounded_queue(learning_mode: None) -> None:
@@ -582,14 +580,20 @@ def notebooks_calling_check() -> dict[str, set[str]]:
 
 
 def test_solutions_live_in_files_not_in_the_notebook() -> None:
-    """Run all never runs a solution: solution cells only point at their file."""
+    """Run all never runs a solution: solution cells only point at their file; a written answer
+    is folded in <details>."""
     called = notebooks_calling_check()
-    assert {NB01, NB02, NB03, NB04, NB05} <= set(called)
+    assert {NB01, NB02, NB03, NB04, NB05, NB06} <= set(called)
     files = {p.stem for p in SOLUTIONS.glob("*.py")}
     assert set().union(*called.values()) == files, "a solution file without its check, or back"
     for name in called:
         for cell in nbformat.read(NOTEBOOKS / name, as_version=4).cells:
-            if "solution" in cell.get("metadata", {}).get("tags", []):
+            if "solution" not in cell.get("metadata", {}).get("tags", []):
+                continue
+            if cell.cell_type == "markdown":  # a written answer: folded, opened on purpose
+                assert re.match(r"<details><summary>.*</summary>\n", cell.source), cell.source
+                assert cell.source.rstrip().endswith("</details>"), cell.source
+            else:
                 code = [ln for ln in cell.source.splitlines() if not ln.lstrip().startswith("#")]
                 assert code == [], f"{name}: a solution cell runs code: {code}"
                 assert re.search(r"^# %load solutions/\w+\.py$", cell.source, re.M), cell.source
@@ -649,5 +653,67 @@ def test_05_admit_and_credits(learning_mode: None) -> None:
             assert not await verdict("05_admit", checker, right), f"issued {label} passes"
         ns["issued"] = solution("05_admit", ns, "issued")
         assert await verdict("05_admit", checker, right), "the solution fails"
+
+    asyncio.run(scenario())
+
+
+# 06 · Exercise 1: the cost of starting a mesh. A fake Monarch stands in for processes that start
+# in the background and answer only once up (spawning returns at once, as Monarch's does); the
+# asyncio runtime is the real one.
+NB06 = "06_scale_out_with_monarch.ipynb"
+FAKE_START_S = 0.3  # a fake process's start
+
+
+class FakeMonarch:
+    """``monarch.actor`` by hand: ``this_host().spawn_procs(...).spawn(...)`` returns at once, and
+    ``mesh.echo.call`` answers once the processes have started."""
+
+    def this_host(self) -> FakeMonarch:
+        return self
+
+    def spawn_procs(self, per_host: dict[str, int]) -> FakeMonarch:
+        self.up = asyncio.get_running_loop().time() + FAKE_START_S
+        return self
+
+    def spawn(self, name: str, cls: type) -> FakeMonarch:
+        self.echo = SimpleNamespace(call=self.call)
+        return self
+
+    async def call(self, x: Any) -> Any:
+        await asyncio.sleep(self.up - asyncio.get_running_loop().time())
+        return x
+
+    async def stop(self) -> None:
+        return None
+
+
+class Echo(Actor):
+    @endpoint
+    async def echo(self, x: Any) -> Any:
+        return x
+
+
+def namespace_06() -> dict[str, Any]:
+    """Notebook 06 at its exercise: both runtimes, section 1's measured start (2 processes)."""
+    fake = FakeMonarch()
+    backends = {"asyncio": actors.backend("asyncio"), "monarch": fake}
+    return {"exercises": exercises, "time": time, "Echo": Echo, "RUNTIMES": list(backends),
+            "actors": SimpleNamespace(backend=backends.__getitem__),
+            "class_for": lambda cls, api: cls if api is fake else actors.class_for(cls, api),
+            "costs": {"asyncio": {"start_s": 1e-4}, "monarch": {"start_s": FAKE_START_S}}}
+
+
+def test_06_ex1_start_cost(learning_mode: None) -> None:
+    async def scenario() -> None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ns = await run_cells(NB06, ["e63f72c3", "0ce58591"], namespace_06())
+        wait = "    await mesh.echo.call(0)\n    elapsed = time.perf_counter() - t0\n"
+        wrong = variants("06_ex1", ns, "start_cost", {
+            "the spawn only, not the first answer":
+                (wait, "    elapsed = time.perf_counter() - t0\n    await mesh.echo.call(0)\n"),
+            "milliseconds": ("return elapsed", "return elapsed * 1000"),
+            "an int": ("return elapsed", "return round(elapsed)"),
+        })
+        await judge("06_ex1", ns["start_cost_problems"], ns, "start_cost", wrong)
 
     asyncio.run(scenario())

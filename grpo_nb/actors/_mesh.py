@@ -1,9 +1,6 @@
-"""Actors, endpoints and meshes on one asyncio loop, with torchmonarch's rules: an actor handles
-one message at a time (``@concurrent_endpoint`` opts out); its endpoints are all ``async def`` or
-all ``def``; arguments and results are copied; an endpoint's exception reaches the caller as
-:class:`ActorError`, or, in a fire-and-forget message, is logged and kept in
-:func:`unhandled_errors`.
-"""
+"""Actors, endpoints and meshes on one asyncio loop, with torchmonarch's rules: one message at a
+time (``@concurrent_endpoint`` opts out), endpoints all async or all sync, arguments copied, errors
+raised to the caller as :class:`ActorError` (or logged, for fire-and-forget messages)."""
 
 from __future__ import annotations
 

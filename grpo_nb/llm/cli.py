@@ -1,6 +1,5 @@
 """``python -m grpo_nb train``: a headless LLM GRPO run (progress bar, dashboard PNG, JSON
-summary last); ``--set FIELD=VALUE`` takes any LLMConfig field, read by the field's type.
-"""
+summary last); ``--set FIELD=VALUE`` takes any LLMConfig field, read by the field's type."""
 
 from __future__ import annotations
 
@@ -91,11 +90,9 @@ def parse_config(argv: list[str]) -> tuple[argparse.Namespace, LLMConfig, bool]:
     changes = {key: value for key, value in (
         ("mode", args.mode), ("steps", args.steps), ("model", args.model),
         ("dataset", args.dataset), ("time_budget_s", args.time_budget)) if value is not None}
-    sets = list(args.set)
-    if args.transport:
-        sets.append(f"sync.transport={args.transport}")
+    transport = [f"sync.transport={args.transport}"] if args.transport else []
     try:
-        cfg = apply_sets(cfg.replace(**changes), sets)
+        cfg = apply_sets(cfg.replace(**changes), [*args.set, *transport])
     except ValueError as err:
         parser.error(str(err))
     return args, cfg, smoke
@@ -128,9 +125,6 @@ def cli(argv: list[str]) -> int:
         return 1
     finally:
         bar.close()
-    summary = asdict(result)
-    if result.run_dir:
-        print(f"dashboard: {save_dashboard(result.run_dir)}", file=sys.stderr)
-        summary = json.loads((Path(result.run_dir) / "result.json").read_text())
-    print(json.dumps(summary))
+    print(f"dashboard: {save_dashboard(result.run_dir)}", file=sys.stderr)
+    print(json.dumps(json.loads((Path(result.run_dir) / "result.json").read_text())))
     return 0

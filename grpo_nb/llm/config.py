@@ -1,6 +1,5 @@
 """The LLM ring's configuration, validated at construction; fields left unset are resolved for
-the model and precision (:func:`resolve_defaults`), and ``cfg.defaults`` says which and why.
-"""
+the model and precision (:func:`resolve_defaults`), and ``cfg.defaults`` says which and why."""
 
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ TINY_LR, PRETRAINED_LR = 3e-4, 1e-6
 MIXED_PRECISION_TIS_CAP = 2.0  # ratio_against="trainer" under bf16 (see resolve_defaults)
 _CHOICES: dict[str, tuple[str, ...]] = {
     "mode": ("async", "sync"), "loss_agg": LOSS_AGGS, "adv_scale": ADV_SCALES,
-    "ratio_against": ("sampler", "trainer")}  # "auto" is resolved before the check
+    "ratio_against": ("sampler", "trainer"),  # "auto" is resolved before the check
+    "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16")}
 _AT_LEAST: dict[str, int] = {
     "group_size": 2, "max_staleness": 0, "max_ahead": 0, "kl_coef": 0, "clip_low": 0,
     "clip_high": 0, "error_budget": 0, **dict.fromkeys(
@@ -27,9 +27,6 @@ _AT_LEAST: dict[str, int] = {
          "checkpoint_every", "max_prompt_len"), 1)}
 _POSITIVE = ("lr", "temperature", "time_budget_s", "finish_timeout_s", "max_grad_norm",
              "tis_cap")
-# What each defaulted field holds before it is resolved (LLMConfig.replace re-resolves them).
-UNSET: dict[str, Any] = {"max_tokens": None, "lr": None, "ratio_against": "auto",
-                         "tis_cap": None}
 
 
 @dataclass
@@ -112,10 +109,7 @@ class LLMConfig:
             raise ValueError(f"LLMConfig.prompts_per_step={self.prompts_per_step} is not "
                              f"divisible by grad_accum={self.grad_accum} (whole groups per "
                              "micro-batch)")
-        self._check_off_policy()
-
-    def _check_off_policy(self) -> None:
-        """Combinations that could never make progress, or that would silently do nothing."""
+        # Combinations that could never make progress, or that would silently do nothing:
         if self.sync_every > self.max_staleness + 1:
             raise ValueError(
                 f"LLMConfig.sync_every={self.sync_every} > max_staleness + 1 = "
@@ -159,15 +153,13 @@ class LLMConfig:
 
     def replace(self, **changes: Any) -> LLMConfig:
         """A validated copy with ``changes``; defaulted fields not named are resolved again."""
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data.update({name: UNSET[name] for name in self.defaults})
-        data.update(changes)
-        return LLMConfig(**data)
+        data = {f.name: f.default if f.name in self.defaults else getattr(self, f.name)
+                for f in fields(self)}
+        return LLMConfig(**{**data, **changes})
 
 
 def resolve_defaults(cfg: LLMConfig) -> dict[str, str]:
-    """Fill ``cfg``'s unset fields (:data:`UNSET`) for its model, data and precision;
-    returns ``{field: "value (why)"}`` for those it filled."""
+    """Fill ``cfg``'s unset fields for its model, data and precision: ``{field: "value (why)"}``."""
     from grpo_nb.llm.placement import dtype_of
     from grpo_nb.tasks import is_arithmetic_name
     from grpo_nb.tiny_model import is_tiny_model

@@ -1,7 +1,6 @@
 """A cost model of one GRPO step (generate G, train T, sync S), checked against a run's own
 metric rows: sync mode G + T + S; async max(G, T) + S, or max(G + S_server, T + S) when a sync
-does not pause the server. ``busy`` rows are not read, so a recorded run gives the same numbers.
-"""
+does not pause the server. ``busy`` rows are not read, so a recorded run gives the same numbers."""
 
 from __future__ import annotations
 
@@ -88,13 +87,10 @@ def step_phases(rows: Iterable[Row], checkpoint_every: int | None = None) -> Ste
     if not ivs:
         raise ValueError("no steady step in these rows: a run needs at least 2 steps outside "
                          "evals and checkpoints")
-
-    def mean(key: str) -> float:
-        return fmean(iv[key] for iv in ivs)
-
-    step, train, sync = mean("step"), mean("train"), mean("sync")
+    step, train, sync, generate, server_sync = (
+        fmean(iv[k] for iv in ivs) for k in ("step", "train", "sync", "generate", "server_sync"))
     return StepPhases(steps=len(ivs), step=step, wait=step - train - sync, train=train,
-                      sync=sync, generate=mean("generate"), server_sync=mean("server_sync"))
+                      sync=sync, generate=generate, server_sync=server_sync)
 
 
 def predict(sync_run: StepPhases, *, paused: bool = True) -> Prediction:

@@ -1,6 +1,5 @@
 """What the LLM ring carries: rendered prompts, the :class:`Group` of :class:`Rollout` every
-stage passes on, and the :class:`RingSpec` each actor gets; plain data, so it pickles (Monarch).
-"""
+stage passes on, and the :class:`RingSpec` each actor gets; plain data, so it pickles (Monarch)."""
 
 from __future__ import annotations
 

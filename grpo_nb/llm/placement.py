@@ -1,6 +1,5 @@
 """Where the LLM ring runs and what it serves, derived from the config: device and dtype, the
-weight-sync transport and tolerance, the vLLM server's size; checks name the ``LLMConfig`` field.
-"""
+weight-sync transport and tolerance, the vLLM server's size; checks name the ``LLMConfig`` field."""
 
 from __future__ import annotations
 
@@ -37,10 +36,6 @@ def check_placement(cfg: Any) -> None:
     gmu = cfg.gpu_memory_utilization
     if gmu is not None and not 0.0 < gmu <= 1.0:
         raise ValueError(f"LLMConfig.gpu_memory_utilization={gmu}: use (0, 1] (or None)")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"LLMConfig.device={cfg.device!r}: use 'auto', 'cpu' or 'cuda'")
-    if cfg.dtype not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"LLMConfig.dtype={cfg.dtype!r}: use 'auto', 'float32' or 'bfloat16'")
     if cfg.device == "cuda" and not cuda_available():
         raise ValueError("LLMConfig.device='cuda': no CUDA device here (use 'auto' or 'cpu')")
     if device_of(cfg) == "cpu" and cfg.sync.transport in ("nccl", "ipc"):
@@ -49,9 +44,7 @@ def check_placement(cfg: Any) -> None:
 
 
 def device_of(cfg: Any) -> str:
-    if cfg.device == "auto":
-        return "cuda" if cuda_available() else "cpu"
-    return cfg.device
+    return cfg.device if cfg.device != "auto" else "cuda" if cuda_available() else "cpu"
 
 
 def dtype_of(cfg: Any) -> str:
@@ -101,22 +94,19 @@ def server_config(model_dir: str, cfg: Any) -> Any:
     context = cfg.context_len
     device, dtype = device_of(cfg), dtype_of(cfg)
     scfg = ServerConfig(model=str(model_dir), max_model_len=context, dtype=dtype)
-    if device == "cpu":
-        if cfg.kv_cache_mb is not None:
-            scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
-        else:  # every sequence in flight (+ eval and probes) at full context, within bounds
-            per_token = _kv_bytes_per_token(model_dir, dtype)
-            seqs = cfg.generators * cfg.max_inflight + 64
-            want = CPU_KV_MIN if per_token is None else int(1.2 * seqs * context * per_token)
-            scfg.kv_cache_bytes = min(max(want, CPU_KV_MIN), CPU_KV_MAX)
-    else:
+    if cfg.kv_cache_mb is not None:
+        scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
+    elif device == "cpu":  # every sequence in flight (+ eval and probes) at full context, bounded
+        per_token = _kv_bytes_per_token(model_dir, dtype)
+        seqs = cfg.generators * cfg.max_inflight + 64
+        want = CPU_KV_MIN if per_token is None else int(1.2 * seqs * context * per_token)
+        scfg.kv_cache_bytes = min(max(want, CPU_KV_MIN), CPU_KV_MAX)
+    if device != "cpu":
         own_gpu = gpu_count() >= 2
         scfg.gpu_memory_utilization = cfg.gpu_memory_utilization or (0.85 if own_gpu else 0.35)
         if own_gpu:  # the trainer takes the last GPU, the server the first this process sees
             first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
             scfg.env = {**scfg.env, "CUDA_VISIBLE_DEVICES": first or "0"}
-        if cfg.kv_cache_mb is not None:
-            scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
     for key, value in sync_of(cfg).server_settings().items():
         setattr(scfg, key, {**scfg.env, **value} if key == "env" else value)
     scfg.validate()

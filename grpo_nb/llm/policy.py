@@ -1,7 +1,6 @@
 """The LLM trainer's torch work, testable without a server: loading, batching, the GRPO step.
 Weights are float32 masters (bf16 would round lr-1e-6 updates away); ``serve_dtype`` only sets
-the autocast dtype and what goes to the server.
-"""
+the autocast dtype and what goes to the server."""
 
 from __future__ import annotations
 
@@ -159,12 +158,9 @@ class PolicyTrainer:
         olds: list[torch.Tensor | None] = [None] * len(batches)
         # The batch's loss = Σ micro weight_i · loss_i: token-mean weighs by tokens, the
         # per-sequence modes by rows (micro-batches may differ in size).
-        if cfg.loss_agg == "token-mean":
-            sizes = [float(b.loss_mask.sum()) for b in batches]
-            weights = [n / max(sum(sizes), 1.0) for n in sizes]
-        else:
-            total_rows = sum(len(b.advantages) for b in batches)
-            weights = [len(b.advantages) / total_rows for b in batches]
+        sizes = [float(b.loss_mask.sum() if cfg.loss_agg == "token-mean" else len(b.advantages))
+                 for b in batches]
+        weights = [n / max(sum(sizes), 1.0) for n in sizes]
         done, sums, grad_norm, changed = 0, {}, math.nan, (0.0, 0.0)
         for _ in range(cfg.num_iterations):
             bad, update_sums, update_norm = self._update(batches, weights, olds)

@@ -1,6 +1,5 @@
 """Sampling a group from the vLLM server, the one way the ring, notebook 04 and ``python -m
-grpo_nb rollouts`` do it (one request with ``n = group_size``); rewards; held-out evaluation.
-"""
+grpo_nb rollouts`` do it (one request with ``n = group_size``); rewards; held-out evaluation."""
 
 from __future__ import annotations
 
@@ -104,9 +103,7 @@ def summarize(groups: Sequence[Group], seconds: float) -> dict[str, Any]:
 
 @dataclass
 class EvalResult:
-    """Greedy accuracy on the held-out prompts."""
-
-    accuracy: float
+    accuracy: float  # greedy, on the held-out prompts
     n: int
     truncated: int  # completions that hit max_tokens (scored wrong)
 
@@ -137,10 +134,8 @@ async def greedy_accuracy(client: Any, prompts: Sequence[Prompt],
     return EvalResult(correct / len(prompts), len(prompts), truncated)
 
 
-# ── python -m grpo_nb rollouts ──
-
-
 def _parser() -> argparse.ArgumentParser:
+    """``python -m grpo_nb rollouts``'s options."""
     p = argparse.ArgumentParser(
         prog="python -m grpo_nb rollouts", description="Serve a model with vLLM, sample scored "
         "groups as the ring does, check vLLM's log-probs against transformers'; the last line "
@@ -177,18 +172,17 @@ def plan(args: argparse.Namespace) -> LLMConfig:
 
 
 def cli(argv: list[str]) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from grpo_nb import grpo, tasks
     from grpo_nb.config import smoke_mode
     from grpo_nb.llm.data import load_data
     from grpo_nb.llm.placement import server_config
+    from grpo_nb.llm.policy import load_policy
     from grpo_nb.serving.client import ClientConfig
     from grpo_nb.serving.server import VLLMServer
 
     args = _parser().parse_args(argv)
     cfg = plan(args)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    hf, tokenizer = load_policy(cfg.model, trainable=False)
     data = load_data(tokenizer, cfg, args.smoke or smoke_mode())  # the test split's first ones
     if data.filtered:
         print(f"left out {data.filtered} prompts longer than {cfg.max_prompt_len} tokens")
@@ -217,7 +211,6 @@ def cli(argv: list[str]) -> int:
                                     scale=cfg.adv_scale)
         print(f"{g.prompt!r} → {[r.completion_text for r in g.rollouts]} "
               f"rewards {g.rewards} advantages {[round(a, 2) for a in adv.tolist()]}")
-    hf = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
     agreement = logprob_agreement(hf, groups)
     result = {**summarize(groups, seconds), "max_abs_logprob_diff": agreement["max_abs_diff"],
               "logprob_tolerance": agreement["tolerance"], "failed_requests": stats.failed,

@@ -1,6 +1,5 @@
 """The LLM ring's controller: ``train(cfg)`` loads model and data, starts a vLLM server (unless
-one is passed in), runs the ring (:func:`run_ring`) into ``runs/<name>/``, returns a RunResult.
-"""
+one is passed in), runs the ring (:func:`run_ring`) into ``runs/<name>/``, returns a RunResult."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from typing import Any
 
 from grpo_nb import partition
 from grpo_nb.config import runs_dir, smoke_mode
+from grpo_nb.llm import checkpoint
 from grpo_nb.llm.actors import Generator, Reference, Scorer, Trainer
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import RingSpec, load_data
@@ -139,8 +139,7 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
     cfg = cfg.replace(model=model) if cfg.model != model else cfg
     if resume is not None:
         run_dir = Path(resume)
-        if not (run_dir / "checkpoint" / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"--resume {resume}: no checkpoint/ in that run folder")
+        checkpoint.resolve(run_dir / "checkpoint")  # none: fail before a server starts
     else:
         run_dir = runs_dir() / (name or f"llm-{cfg.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     rec = MetricsRecorder(run_dir, append=resume is not None)

@@ -42,9 +42,7 @@ class RunResult:
 
 
 def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int) -> RunResult:
-    evals = rec.rows("eval")
-    syncs = rec.rows("sync")
-    steps = rec.rows("step")
+    evals, syncs, steps = rec.rows("eval"), rec.rows("sync"), rec.rows("step")
     stale = [s for r in steps for s in r.get("staleness", [])]
     tokens = sum(r.get("tokens", 0) for r in steps)
     last_sync = syncs[-1] if syncs else {}
@@ -78,8 +76,7 @@ def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int)
 
 def _defaults(rec: MetricsRecorder, cfg: LLMConfig) -> dict[str, str]:
     """:attr:`LLMConfig.defaults`, plus the chat-template arguments left to the template."""
-    out = dict(getattr(cfg, "defaults", {}))
-    data = rec.rows("data")
+    out, data = dict(cfg.defaults), rec.rows("data")
     given = cfg.chat_template_kwargs or {}
     chosen = {k: v for k, v in (data[0].get("chat_template_kwargs") or {}).items()
               if k not in given} if data else {}

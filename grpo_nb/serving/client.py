@@ -1,7 +1,5 @@
-"""An async client for vLLM's ``/v1/completions``: token ids in, token ids and log-probs out.
-Connection errors are retried, other failures counted and raised as :class:`CompletionError`;
-choices the server aborted come back with ``finish_reason="abort"`` for the caller to resample.
-"""
+"""An async client for vLLM's ``/v1/completions``: token ids in, token ids and log-probs out;
+aborted choices come back with ``finish_reason="abort"`` for the caller to resample."""
 
 from __future__ import annotations
 

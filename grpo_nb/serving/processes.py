@@ -1,7 +1,5 @@
-"""The process side of a vLLM server: markers, waiting for an exit, the owner watchdog, orphans.
-Every server process inherits ``GRPO_NB_SERVER_ID`` and ``GRPO_NB_OWNER_PID``, so psutil finds a
-server's whole tree for ``stop``, the watchdog and ``doctor --reap`` alike.
-"""
+"""A vLLM server's processes: every one inherits ``GRPO_NB_SERVER_ID`` and ``GRPO_NB_OWNER_PID``,
+so psutil finds its whole tree for ``stop``, the owner watchdog and ``doctor --reap`` alike."""
 
 from __future__ import annotations
 

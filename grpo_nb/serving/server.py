@@ -1,6 +1,5 @@
-"""Start, watch and stop a vLLM OpenAI-compatible server as a subprocess tree in its own process
-group; a registry keeps every server until stopped, so re-running a cell never orphans one.
-"""
+"""Start, watch and stop a vLLM server as a process tree in its own group; a registry keeps every
+server until stopped, so re-running a cell never orphans one."""
 
 from __future__ import annotations
 

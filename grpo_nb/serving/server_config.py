@@ -1,6 +1,5 @@
-"""``ServerConfig``: how a vLLM server is run, and who may reach it (``--api-key`` guards only
-``/v1``, so a dev-mode server binds loopback only; a key travels in the environment, not argv).
-"""
+"""``ServerConfig``: how a vLLM server is run and who may reach it (``--api-key`` guards only
+``/v1``, so a dev-mode server binds loopback only; a key travels in the environment, not argv)."""
 
 from __future__ import annotations
 
@@ -84,7 +83,7 @@ class ServerConfig:
 
     @classmethod
     def smoke(cls, model: str | Path = "") -> ServerConfig:
-        """Small KV cache, short context: the tiny model on a 2-core CPU."""
+        """Small KV cache, short context: the tiny model on a 2-core CPU (notebook 04)."""
         return cls(model=str(model), max_model_len=256, kv_cache_bytes=64 << 20)
 
     def command(self, port: int, gpu: bool) -> list[str]:

@@ -136,14 +136,6 @@ def _chat(system_prompt: str | None, turns: list[Row]) -> list[Row]:
             *[t for t in turns if t["role"] != "system"]]
 
 
-def _gsm8k(row: Row, where: str) -> str:
-    answer = after_hashes(str(row["answer"]))
-    if answer is None:
-        raise ValueError(f"{where}: GSM8K answer without '#### <final answer>': "
-                         f"{str(row['answer'])[-80:]!r}")
-    return answer
-
-
 def _from_messages(row: Row, where: str, system_prompt: str | None) -> Row:
     turns = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"] or []]
     if len(turns) < 2 or turns[-1]["role"] != "assistant":
@@ -167,29 +159,21 @@ def _row_converter(columns: list[str], where: str, system_prompt: str | None,
     cols = set(columns)
     if "messages" in cols:
         return lambda row, i: _from_messages(row, f"{where}, row {i}", system_prompt)
-    if {"question", "answer"} <= cols:
-        question, answer_of = "question", _gsm8k
-    elif {"problem", "answer"} <= cols:
-        question, answer_of = "problem", lambda row, where: str(row["answer"]).strip()
-    else:
+    question = next((q for q in ("question", "problem") if {q, "answer"} <= cols), None)
+    if question is None:
         raise ValueError(f"{where}: unknown row format, columns {sorted(cols)}; expected {FORMATS}")
 
     def convert(row: Row, i: int) -> Row:
         text = str(row[question]).strip()
         prompt = f"{text}\n{instruction}" if instruction else text
-        return {"prompt": prompt, "answer": answer_of(row, f"{where}, row {i}"),
+        answer = str(row["answer"]).strip()  # OpenR1-Math: the answer itself
+        if question == "question" and (answer := after_hashes(answer)) is None:
+            raise ValueError(f"{where}, row {i}: GSM8K answer without '#### <final answer>': "
+                             f"{str(row['answer'])[-80:]!r}")
+        return {"prompt": prompt, "answer": answer,
                 "messages": _chat(system_prompt, [{"role": "user", "content": prompt}])}
 
     return convert
-
-
-def to_task_rows(raw: datasets.Dataset, where: str, *, system_prompt: str | None,
-                 instruction: str | None) -> datasets.Dataset:
-    """``raw`` as ``prompt, messages, answer`` rows; ``ValueError`` naming the bad row."""
-    if len(raw) == 0:
-        raise ValueError(f"{where}: no rows")
-    convert = _row_converter(list(raw.column_names), where, system_prompt, instruction)
-    return raw.map(convert, with_indices=True, remove_columns=list(raw.column_names))
 
 
 def load_task(dataset: str, *, test_size: int | float | None = None, split_seed: int = 0,
@@ -210,9 +194,12 @@ def load_task(dataset: str, *, test_size: int | float | None = None, split_seed:
     source = dataset_source(dataset)
     data = _load_local(Path(dataset).expanduser()) if source == "local" else _load_hub(dataset)
     train, test = _splits(data, where, test_size, split_seed)
-    rows = {name: to_task_rows(split, f"{where} ({name})", system_prompt=system_prompt,
-                               instruction=instruction)
-            for name, split in (("train", train), ("test", test))}
+    rows = {}
+    for name, raw in (("train", train), ("test", test)):  # as prompt, messages, answer rows
+        if len(raw) == 0:
+            raise ValueError(f"{where} ({name}): no rows")
+        convert = _row_converter(raw.column_names, f"{where} ({name})", system_prompt, instruction)
+        rows[name] = raw.map(convert, with_indices=True, remove_columns=raw.column_names)
     return Task("math", rows["train"], rows["test"])
 
 

@@ -118,24 +118,20 @@ def _check_callable(fn: Any, label: str) -> RewardFn:
     return fn
 
 
-def _check_term(term: RewardTerm) -> None:
-    """Checks a term without importing anything: a callable's signature, a name's spelling."""
+def _resolve(term: RewardTerm, default: str = "math", *, load: bool = True) -> RewardFn | None:
+    """A term's function; ``load=False`` only checks it (a signature, a spelling), importing nothing."""
     if callable(term):
-        _check_callable(term, getattr(term, "__name__", repr(term)))
-    elif ":" in term:
-        if not _IMPORT_PATH.fullmatch(term):
-            raise ValueError(f"reward {term!r}: write an import path as 'module:function'")
-    elif term != "auto" and term not in REWARDS:
-        raise ValueError(f"reward {term!r}: unknown; use one of {sorted(REWARDS)}, 'auto', "
-                         "'module:function', or a weighted sum such as 'math+0.1*format'")
-
-
-def _resolve(term: RewardTerm, default: str) -> RewardFn:
-    if callable(term):
-        return term
+        return term if load else _check_callable(term, getattr(term, "__name__", repr(term)))
     name = default if term == "auto" else term
     if ":" not in name:
+        if name not in REWARDS:
+            raise ValueError(f"reward {term!r}: unknown; use one of {sorted(REWARDS)}, 'auto', "
+                             "'module:function', or a weighted sum such as 'math+0.1*format'")
         return REWARDS[name]
+    if not _IMPORT_PATH.fullmatch(name):
+        raise ValueError(f"reward {term!r}: write an import path as 'module:function'")
+    if not load:
+        return None
     module, _, attr = name.partition(":")
     try:
         fn = getattr(importlib.import_module(module), attr)
@@ -160,7 +156,7 @@ def reward_terms(spec: RewardSpec = "auto") -> tuple[tuple[RewardTerm, float], .
     if not terms:
         raise ValueError("reward: give at least one reward term")
     for term, weight in terms:
-        _check_term(term)
+        _resolve(term, load=False)
         if not math.isfinite(weight):
             raise ValueError(f"reward {term!r}: weight {weight} is not finite")
     return tuple(terms)

@@ -83,20 +83,18 @@ class VLLMControlClient:
         response = self._request("POST", "collective_rpc", json=body, timeout=timeout)
         return response.json().get("results", []) if response.content else []
 
-    def running_requests(self) -> int:
-        """Requests the engine is decoding now (the ``vllm:num_requests_running`` gauge)."""
-        text = self._request("GET", "metrics").text
-        return int(sum(float(line.split()[-1]) for line in text.splitlines()
-                       if line.startswith("vllm:num_requests_running")))
-
     def wait_running(self, at_least: int = 1, timeout: float = 10.0) -> bool:
-        """Block until the engine decodes ``at_least`` requests (False after ``timeout`` s)."""
+        """Block until the engine decodes ``at_least`` requests (its ``vllm:num_requests_running``
+        gauge); False after ``timeout`` s."""
         deadline = time.monotonic() + timeout
-        while self.running_requests() < at_least:
+        while True:
+            metrics = self._request("GET", "metrics").text.splitlines()
+            if sum(float(line.split()[-1]) for line in metrics
+                   if line.startswith("vllm:num_requests_running")) >= at_least:
+                return True
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
-        return True
 
     def weight_version(self) -> str | None:
         return self._request("GET", "weight_info").json().get("weight_version")

@@ -1,8 +1,10 @@
-"""What a weight sync is configured with (:class:`WeightSyncConfig`) and what one reports
-(:class:`SyncResult`)."""
+"""What a weight sync is configured with (:class:`WeightSyncConfig`) and what one reports."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -65,6 +67,18 @@ class SyncResult:
     verified: bool | None  # None: not checked
     phases: dict[str, float] = field(default_factory=dict)
     round_trips: int = 0  # HTTP calls of the sync (verification not included)
+
+
+class Phases(dict):
+    """``with phases("pause"): …`` adds the block's milliseconds under that name."""
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[name] = self.get(name, 0.0) + (time.perf_counter() - t) * 1e3
 
 
 def model_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:

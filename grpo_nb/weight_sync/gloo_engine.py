@@ -1,13 +1,10 @@
-"""The gloo transport's trainer side: a CPU weight-transfer engine for vLLM (its own engines
-need CUDA), its loopback-only group, and :class:`SendSource`; the worker side is in worker.py.
-One sync is one ``/collective_rpc`` (one engine step) while the trainer broadcasts each tensor.
-"""
+"""The gloo transport (vLLM's own engines need CUDA): its loopback-only group and the trainer's
+engine, which broadcasts each tensor while one ``/collective_rpc`` receives them (worker.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,17 +18,12 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 from grpo_nb.serving.net import LOOPBACK, is_loopback
 from grpo_nb.weight_sync import verify
+from grpo_nb.weight_sync.config import Phases
 
 PREFIX = "grpo_nb/weight_sync"
 BACKEND = "gloo"
 SYNC_METHOD = "grpo_gloo_sync"  # the worker-extension method (worker.py) that runs one sync
 STATUS_OK, STATUS_ABORTED = 1, 0  # the last broadcast of a sync: did the trainer send it all?
-_register_lock = threading.Lock()
-
-
-# The group: every listening socket on 127.0.0.1 (torch's store and gloo's default device bind
-# every interface, and the worker loads whatever arrives as weights); torch.distributed's global
-# state is left alone, so the group coexists with any other.
 
 
 def listen_loopback() -> socket.socket:
@@ -41,7 +33,8 @@ def listen_loopback() -> socket.socket:
 
 def open_group(rank: int, world_size: int, timeout_s: float, *, port: int | None = None,
                listen_socket: socket.socket | None = None, host: str = LOOPBACK) -> Any:
-    """Join a gloo group (blocks): rank 0 hosts the store on ``listen_socket``, others at port."""
+    """Join a gloo group (blocks): rank 0 hosts the store on ``listen_socket``, others at port.
+    Loopback only (the worker loads whatever arrives); torch.distributed's globals untouched."""
     from torch._C._distributed_c10d import ProcessGroup
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
@@ -170,29 +163,27 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         info = GlooUpdateInfo(names=[m.name for m in meta],
                               dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                               shapes=[list(m.shape) for m in meta])
-        start = time.perf_counter()
-        works: list[Any] = []
+        timed, works = Phases(), []
         keep: list[torch.Tensor] = []  # the posted sends read these asynchronously
         try:
-            rpc = self._rpc_pool.submit(self.client.collective_rpc,  # type: ignore[attr-defined]
-                                        SYNC_METHOD, {"update_info": asdict(info),
-                                                      "record": record}, self.timeout_s)
-            t_send = time.perf_counter()
-            failure = self._post_sends(meta, works, keep)
-            _wait_all(works, rpc, time.monotonic() + self.timeout_s)
-            send_ms = (time.perf_counter() - t_send) * 1e3
-            if failure is not None:
-                with contextlib.suppress(Exception):  # the worker reports "aborted": ours is
-                    rpc.result()                      # the cause worth raising
-                raise failure
-            results = rpc.result()
+            with timed("rpc"):
+                rpc = self._rpc_pool.submit(
+                    self.client.collective_rpc, SYNC_METHOD,  # type: ignore[attr-defined]
+                    {"update_info": asdict(info), "record": record}, self.timeout_s)
+                with timed("transfer"):
+                    failure = self._post_sends(meta, works, keep)
+                    _wait_all(works, rpc, time.monotonic() + self.timeout_s)
+                if failure is not None:
+                    with contextlib.suppress(Exception):  # the worker reports "aborted": ours
+                        rpc.result()                      # is the cause worth raising
+                    raise failure
+                results = rpc.result()
         except BaseException:
             # Close our sockets so the worker's pending receives fail now, not at the timeout.
             self.shutdown()
             raise
         server = results[0] if results and isinstance(results[0], dict) else {}
-        self.last = {"transfer": send_ms, "rpc": (time.perf_counter() - start) * 1e3,
-                     **{key.removesuffix("_ms"): ms for key, ms in server.items()}}
+        self.last = {**timed, **{key.removesuffix("_ms"): ms for key, ms in server.items()}}
 
     def _post_sends(self, meta: list[base.ParamMeta], works: list[Any],
                     keep: list[torch.Tensor]) -> Exception | None:
@@ -239,9 +230,5 @@ def _wait_all(works: list[Any], rpc: Future, deadline: float) -> None:
         work.wait()  # raises a transport error (peer gone)
 
 
-def register() -> None:
-    """Add the trainer-side ``gloo`` engine to vLLM's trainer registry (idempotent)."""
-    with _register_lock:
-        if BACKEND not in WeightTransferTrainerFactory._registry:
-            WeightTransferTrainerFactory.register_engine(BACKEND,
-                                                         GlooTrainerWeightTransferEngine)
+if BACKEND not in WeightTransferTrainerFactory._registry:  # on import: under the import lock
+    WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)

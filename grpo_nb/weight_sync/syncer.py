@@ -1,8 +1,5 @@
-"""Push the trainer's weights into a running vLLM server, and prove they arrived.
-:meth:`WeightSyncer.sync` runs vLLM's weight-update flow (``/pause``, every tensor, the new
-version, ``/resume``), every step bounded by ``timeout_s``. A failure after the transfer began
-leaves the server paused (its weights are half-new) until a full re-send succeeds.
-"""
+"""Push the trainer's weights into a running vLLM server (``/pause``, every tensor, the version,
+``/resume``, each step bounded) and prove they arrived; a half-sent server stays paused."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -23,7 +20,7 @@ from grpo_nb import grpo
 from grpo_nb.serving.net import free_port
 from grpo_nb.weight_sync import verify as check
 from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError
-from grpo_nb.weight_sync.config import EXTENSION, SyncResult, WeightSyncConfig, model_bytes
+from grpo_nb.weight_sync.config import EXTENSION, Phases, SyncResult, WeightSyncConfig, model_bytes
 
 GRACE_S = 5.0  # past timeout_s before a transfer is abandoned
 
@@ -70,7 +67,7 @@ class WeightSyncer:
             return
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from grpo_nb.weight_sync.gloo_engine import GlooTrainerInitInfo, SendSource, register
+        from grpo_nb.weight_sync.gloo_engine import GlooTrainerInitInfo, SendSource
 
         device = self._device()
         if (device.type == "cuda") != (self.cfg.transport in ("nccl", "ipc")):
@@ -79,7 +76,6 @@ class WeightSyncer:
                 f"{device}: 'nccl' and 'ipc' need it on CUDA, 'gloo' on the CPU "
                 "(grpo_nb.llm.placement.sync_of picks the transport for a device)")
         if self.cfg.transport == "gloo":
-            register()
             info: Any = GlooTrainerInitInfo(timeout_s=self.cfg.timeout_s, rank=0)
         elif self.cfg.transport == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -146,9 +142,14 @@ class WeightSyncer:
                     with contextlib.suppress(Exception):
                         self.client.pause("abort")
                         paused = True
-        finally:
-            resume_error = self._resume(phases) if paused and not self.dirty else None
-            self._held = paused and self.dirty is not None
+        resume_error = None  # reported after any earlier failure
+        if paused and not self.dirty:
+            try:
+                with phases("resume"):
+                    self.client.resume()
+            except Exception as err:
+                resume_error = err
+        self._held = paused and self.dirty is not None
         if failure is not None:
             raise self._failure(version, failure, touched, resume_error) from failure
         if resume_error is not None:
@@ -162,14 +163,6 @@ class WeightSyncer:
         self.version = version
         return result
 
-    def _resume(self, phases: Phases) -> BaseException | None:
-        try:
-            with phases("resume"):
-                self.client.resume()
-        except Exception as err:  # reported by sync(), after any earlier failure
-            return err
-        return None
-
     def _failure(self, version: int, err: BaseException, touched: bool,
                  resume_error: BaseException | None) -> BaseException:
         if not isinstance(err, Exception):
@@ -180,13 +173,11 @@ class WeightSyncer:
             also = f", and /resume failed too: {resume_error}" if resume_error else ""
             return WeightSyncError(f"{failed}: {cause}{also}")
         where = "mid-transfer" if touched else "before its transfer"
-        if not self._held:  # "none" and its /pause?mode=abort failed too (server gone?)
-            return WeightSyncError(f"{failed} {where} ({cause}), and the server could not be "
-                                   f"paused: it may serve half-loaded weights ({self.dirty}) "
-                                   "until the next sync re-sends every tensor")
-        return WeightSyncError(f"{failed} {where} ({cause}); the server stays PAUSED because "
-                               f"its weights are half-loaded ({self.dirty}): the next sync "
-                               "re-sends every tensor and resumes it only if that succeeds")
+        # not held: "none", and its /pause?mode=abort failed too (server gone?)
+        state = ("stays PAUSED with half-loaded weights" if self._held
+                 else "could not be paused: it may serve half-loaded weights")
+        return WeightSyncError(f"{failed} {where} ({cause}); the server {state} ({self.dirty}) "
+                               "until the next sync re-sends every tensor and succeeds")
 
     def _transfer(self, version: str, phases: Phases, record: bool) -> None:
         """Send every tensor (as the transport does it), then name the version now served."""
@@ -277,18 +268,6 @@ class WeightSyncer:
         with torch.no_grad(), torch.autocast(param.device.type, dtype=dtype, enabled=cast):
             mine = grpo.sequence_logprobs(self.model, x, torch.ones_like(x), 1.0)
         return float((served - mine.double().cpu()).abs().max())
-
-
-class Phases(dict):
-    """``with phases("pause"): …`` adds the block's milliseconds under that name."""
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self[name] = self.get(name, 0.0) + (time.perf_counter() - t) * 1e3
 
 
 def _shutdown(engine: Any, device: torch.device) -> None:

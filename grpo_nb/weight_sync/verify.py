@@ -1,6 +1,5 @@
 """Exact proof that a sync landed: digests (dtype, shape, bytes) of what the server model's
-``load_weights`` received, against the trainer's tensors (served parameters are repacked).
-"""
+``load_weights`` received, against the trainer's tensors (served parameters are repacked)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""Code that runs inside the vLLM worker (``--worker-extension-cls``): RPC methods called
-through ``/collective_rpc`` between engine steps, and the worker side of the gloo engine,
-registered on import (vLLM's registry is per process).
-"""
+"""Code that runs inside the vLLM worker (``--worker-extension-cls``): the ``/collective_rpc``
+methods, and the gloo engine's worker side (registered on import: the registry is per process)."""
 
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any
 
 import torch
@@ -15,6 +12,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from grpo_nb.weight_sync import gloo_engine as gloo
+from grpo_nb.weight_sync.config import Phases
 from grpo_nb.weight_sync.verify import digest
 
 ALIGN = 16
@@ -110,26 +108,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[gloo.GlooInitInfo, gloo.Gloo
         works = [self.group.broadcast(slot, 0) for slot in slots]
         status = torch.zeros(1, dtype=torch.int32)
         status_work = self.group.broadcast(status, 0)
-        wait_s = load_s = 0.0
-        batch: list[tuple[str, torch.Tensor]] = []
-        entries = zip(update_info.names, update_info.dtype_names, update_info.shapes,
-                      slots, works, strict=True)
-        for i, (name, dtype_name, shape, slot, work) in enumerate(entries):
-            t = time.perf_counter()
-            work.wait()
-            wait_s += time.perf_counter() - t
+        timed, batch = Phases(wait_ms=0.0, load_ms=0.0), []
+        names = update_info.names
+        for i, (name, dtype_name, shape, slot, work) in enumerate(zip(
+                names, update_info.dtype_names, update_info.shapes, slots, works, strict=True)):
+            with timed("wait_ms"):
+                work.wait()
             batch.append((name, slot.view(getattr(torch, dtype_name)).view(shape)))
-            last = i + 1 == len(slots)
-            if last or layer_key(update_info.names[i + 1]) != layer_key(name):
-                t = time.perf_counter()
-                self.model.load_weights(batch)
-                load_s += time.perf_counter() - t
+            if i + 1 == len(names) or layer_key(names[i + 1]) != layer_key(name):
+                with timed("load_ms"):
+                    self.model.load_weights(batch)
                 batch = []
         status_work.wait()
         if int(status.item()) != gloo.STATUS_OK:
             raise RuntimeError("the trainer aborted this weight transfer midway (its error is "
                                "raised there); the layers loaded so far hold partly new weights")
-        self.last_timings = {"wait_ms": wait_s * 1e3, "load_ms": load_s * 1e3}
+        self.last_timings = dict(timed)
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -142,8 +136,8 @@ if gloo.BACKEND not in WeightTransferEngineFactory._registry:
 
 
 class _Recorder:
-    """Wraps the model's ``load_weights``; while armed, records ``[name, digest]`` of each
-    tensor before the model consumes it (an unarmed update clears the record)."""
+    """Wraps the model's ``load_weights``: while armed, records ``[name, digest]`` of each tensor
+    it consumes; an unarmed update clears the record."""
 
     def __init__(self, model: Any) -> None:
         self.armed = False
@@ -157,7 +151,7 @@ class _Recorder:
 
     def _watch(self, weights: Any) -> Any:
         for name, tensor in weights:
-            if self.armed and self.entries is not None:
+            if self.armed:
                 self.entries.append([name, digest(tensor)])
             else:
                 self.entries = None
@@ -240,17 +234,16 @@ class GrpoWorkerExtension:
             raise RuntimeError("grpo_gloo_sync needs the gloo weight-transfer engine, "
                                "initialised (call /init_weight_transfer_engine first)")
         _recorder(self).begin(record)
-        t0 = time.perf_counter()
-        worker.start_weight_update()
-        t1 = time.perf_counter()
+        timed = Phases()
+        with timed("start_ms"):
+            worker.start_weight_update()
         try:
-            worker.update_weights(update_info)
+            with timed("update_ms"):
+                worker.update_weights(update_info)
         except BaseException:
             with contextlib.suppress(Exception), set_current_vllm_config(worker.vllm_config):
                 engine.finish_weight_update()
             raise
-        t2 = time.perf_counter()
-        worker.finish_weight_update()
-        t3 = time.perf_counter()
-        return {"start_ms": (t1 - t0) * 1e3, "update_ms": (t2 - t1) * 1e3,
-                "finish_ms": (t3 - t2) * 1e3, **engine.last_timings}
+        with timed("finish_ms"):
+            worker.finish_weight_update()
+        return {**timed, **engine.last_timings}
