@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import TypeVar
 
@@ -61,3 +62,8 @@ def cache_dir() -> Path:
 def runs_dir() -> Path:
     """Where runs are written: ``runs/<name>/`` holds metrics.jsonl, plots and checkpoints."""
     return _folder("GRPO_NB_RUNS", "runs", Path.cwd() / "runs")
+
+
+def unique_run_name(prefix: str) -> str:
+    """``prefix-YYYYmmdd-HHMMSS-pid``: two runs at once (a notebook and a test) never share a file."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

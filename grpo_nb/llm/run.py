@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_nb import partition
-from grpo_nb.config import runs_dir, smoke_mode
+from grpo_nb.config import runs_dir, smoke_mode, unique_run_name
 from grpo_nb.llm import checkpoint
 from grpo_nb.llm.actors import Generator, Reference, Scorer, Trainer
 from grpo_nb.llm.config import LLMConfig
@@ -141,7 +141,7 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
         run_dir = Path(resume)
         checkpoint.resolve(run_dir / "checkpoint")  # none: fail before a server starts
     else:
-        run_dir = runs_dir() / (name or f"llm-{cfg.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir = runs_dir() / (name or unique_run_name(f"llm-{cfg.mode}"))
     rec = MetricsRecorder(run_dir, append=resume is not None)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
     from transformers import AutoTokenizer

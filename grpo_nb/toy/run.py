@@ -8,14 +8,13 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
-from grpo_nb.config import preset
+from grpo_nb.config import preset, unique_run_name
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.ring import Controller, Event
 from grpo_nb.toy.actors import Generator, Reference, Scorer, Trainer
@@ -94,11 +93,6 @@ async def run_ring(
         exited = await ctl.relay({"scorer", "reference", "trainer"}, on_event=relayed)
         wall = time.perf_counter() - t0
     return summarize(ctl.rec, cfg, wall, exited["trainer"].get("dropped", 0))
-
-
-def unique_run_name(prefix: str) -> str:
-    """``prefix-YYYYmmdd-HHMMSS-pid``: two runs at once (a notebook and a test) never share a file."""
-    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def cli(argv: list[str]) -> int:
