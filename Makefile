@@ -120,7 +120,7 @@ endif
 # Student copies, executed HTML pages + index, one PDF: build/handouts/index.html.
 # HANDOUT_FLAGS=--full for full-size runs; --solutions for an instructor copy.
 handouts: setup system-deps
-	$(BIN)/python -m grpo_nb.course.handouts --pdf --out build/handouts $(HANDOUT_FLAGS)
+	$(BIN)/python -m grpo_nb handouts --pdf --out build/handouts $(HANDOUT_FLAGS)
 
 clean:
 	rm -rf build runs .pytest_cache .ruff_cache

@@ -41,9 +41,9 @@ async def _vllm_tokens_per_s(server, prompts: list[list[int]], new_tokens: int,
 def _hf_tokens_per_s(model_dir, prompts: list[list[int]], new_tokens: int) -> float:
     import torch
 
-    from grpo_nb.tiny_model import load_hf
+    from grpo_nb.llm.policy import load_policy
 
-    model, tok = load_hf(model_dir)
+    model, tok = load_policy(model_dir)
     ids = torch.tensor(prompts)  # the arithmetic prompts all have the same length
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
               temperature=1.0, top_k=0, pad_token_id=tok.pad_token_id)

@@ -2,7 +2,7 @@
 
 Prints one JSON line: for each tail (log-normal σ of the per-group decode time), the measured
 seconds per step in each mode, the speed-up, the cost model's prediction
-(grpo_nb.toy.sweep.predict) and the staleness async mode pays for it. No server, no GPU:
+(grpo_nb.toy.run.predict) and the staleness async mode pays for it. No server, no GPU:
 decode and train times are simulated (asyncio sleeps), which is what makes the toy a model of
 separate generation and training devices. Run it alone on a quiet machine::
 
@@ -16,7 +16,7 @@ import asyncio
 import json
 import os
 
-from grpo_nb.toy.sweep import sweep_config, tail_sweep
+from grpo_nb.toy.run import sweep_config, tail_sweep
 
 
 def main() -> None:

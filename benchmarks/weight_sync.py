@@ -143,7 +143,7 @@ def _noop_rpc_ms(url: str, repeats: int) -> float:
     times = []
     for _ in range(repeats + 1):
         t = time.perf_counter()
-        client.collective_rpc("grpo_transfer_backends")
+        client.collective_rpc("grpo_model_dtype")
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times[1:])
 

@@ -9,6 +9,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -49,10 +50,8 @@ def plot_series(ax: Axes, xs: Sequence[float], ys: Sequence[float], *, label: st
     ys_f = [float("nan") if y is None else float(y) for y in ys]
     if smooth > 1 and len(ys_f) >= 2:
         ax.plot(xs, ys_f, alpha=0.25, **kwargs)
-        avg = [sum(ys_f[max(0, i - smooth + 1): i + 1]) / (i - max(0, i - smooth + 1) + 1) for i in range(len(ys_f))]
-        ax.plot(xs, avg, label=label, **kwargs)
-    else:
-        ax.plot(xs, ys_f, label=label, **kwargs)
+        ys_f = [fmean(ys_f[max(0, i - smooth + 1): i + 1]) for i in range(len(ys_f))]
+    ax.plot(xs, ys_f, label=label, **kwargs)
 
 
 def plot_staleness(ax: Axes, values: Iterable[int], *, title: str = "staleness of consumed samples") -> None:
@@ -79,8 +78,7 @@ def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
     order = list(PHASE_COLORS)
     labels = sorted({r.get("label", "") for r in rows},
                     key=lambda lab: (order.index(lab) if lab in order else len(order), lab))
-    spare = len(_SPARE_COLORS)
-    colors = {lab: PHASE_COLORS.get(lab) or _SPARE_COLORS[zlib.crc32(lab.encode()) % spare]
+    colors = {lab: PHASE_COLORS.get(lab) or _SPARE_COLORS[zlib.crc32(lab.encode()) % len(_SPARE_COLORS)]
               for lab in labels}
     for lane, actor in enumerate(actors):
         for lab in labels:
@@ -99,37 +97,21 @@ def plot_timeline(ax: Axes, busy_rows: Rows, *, window_s: float | None = None,
         ax.legend(handles, labels, loc="upper left", fontsize=7, ncols=min(4, len(labels)))
 
 
-def clear_artists(ax: Axes) -> None:
-    """Remove what was plotted on ``ax`` but keep its ticks (cheaper than ``ax.cla()``)."""
-    for artist in [*ax.lines, *ax.patches, *ax.collections, *ax.texts, *ax.images]:
-        artist.remove()
-    if (legend := ax.get_legend()) is not None:
-        legend.remove()
-    ax.relim()
-
-
-def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_reward: float | None = None,
+def toy_figure(rec: MetricsRecorder, *, optimum: float = 1.0, random_reward: float | None = None,
                fig: Figure | None = None, window_s: float | None = 3.0) -> Figure:
     """The toy ring's 2x2 figure: reward, KL and entropy, staleness, actor timeline."""
     if fig is None:
         fig = plt.figure(figsize=(11, 6.5))
-    if len(fig.axes) == 4:  # redraw into the same axes: much cheaper than a new layout
-        for ax in fig.axes:
-            clear_artists(ax)
-        ax_r, ax_kl, ax_st, ax_tl = fig.axes
-    else:
-        fig.clf()
-        (ax_r, ax_kl), (ax_st, ax_tl) = fig.subplots(2, 2)
-        # Fixed margins: a layout engine costs more than the drawing itself.
-        fig.subplots_adjust(left=0.06, right=0.98, top=0.95, bottom=0.08, hspace=0.42,
-                            wspace=0.22)
+    fig.clear()
+    (ax_r, ax_kl), (ax_st, ax_tl) = fig.subplots(2, 2)
+    # Fixed margins: a layout engine costs more than the drawing itself.
+    fig.subplots_adjust(left=0.06, right=0.98, top=0.95, bottom=0.08, hspace=0.42, wspace=0.22)
     steps = rec.rows("step")
-    xs = [r["step"] for r in steps]
-    plot_series(ax_r, xs, [r["reward"] for r in steps], label="sampled reward", smooth=10, color="tab:blue")
-    if steps and "expected_reward" in steps[0]:
-        plot_series(ax_r, xs, [r["expected_reward"] for r in steps], label="policy's expected reward", color="tab:green")
-    if optimum is not None:
-        ax_r.axhline(optimum, color="tab:red", ls="--", lw=1, label=f"optimum {optimum:g}")
+    plot_series(ax_r, *series(steps, "reward", "step"), label="sampled reward", smooth=10,
+                color="tab:blue")
+    plot_series(ax_r, *series(steps, "expected_reward", "step"), label="policy's expected reward",
+                color="tab:green")
+    ax_r.axhline(optimum, color="tab:red", ls="--", lw=1, label=f"optimum {optimum:g}")
     if random_reward is not None:
         ax_r.axhline(random_reward, color="grey", ls=":", lw=1, label=f"random {random_reward:.2f}")
     # all-equal rewards: zero advantages, no gradient (solved, or stuck)
@@ -137,15 +119,12 @@ def toy_figure(rec: MetricsRecorder, *, optimum: float | None = 1.0, random_rewa
                 smooth=10, color="tab:gray", ls="--")
     ax_r.set(title="reward", xlabel="trainer step")
     legend_if_any(ax_r, loc="lower right", fontsize=8)
-    plot_series(ax_kl, xs, [r["kl"] for r in steps], label="KL to reference", color="tab:orange")
+    plot_series(ax_kl, *series(steps, "kl", "step"), label="KL to reference", color="tab:orange")
     # near 0: the policy stopped exploring
     plot_series(ax_kl, *series(steps, "entropy", "step"), label="policy entropy",
                 color="tab:purple")
     legend_if_any(ax_kl, loc="upper right", fontsize=8)
-    for ax in (ax_r, ax_kl):  # reused axes keep their old limits otherwise
-        ax.relim()
-        ax.autoscale_view()
-    ax_r.set_ylim(-0.02, 1.05 * (optimum or 1.0))
+    ax_r.set_ylim(-0.02, 1.05 * optimum)
     ax_kl.set(title="KL(policy ‖ reference) and entropy (nats)", xlabel="trainer step")
     plot_staleness(ax_st, [s for r in steps for s in r.get("staleness", [])])
     plot_timeline(ax_tl, rec.rows("busy"), window_s=window_s,
@@ -158,12 +137,12 @@ class LivePlot:
     for the final frame; redraws are spaced, since drawing stops the actors' event loop."""
 
     def __init__(self, figure: Callable[..., Figure] = toy_figure, *, every_s: float = 0.3,
-                 dpi: int = 72, fig_kw: dict[str, Any] | None = None, **figure_kw: Any) -> None:
+                 dpi: int = 72, **figure_kw: Any) -> None:
         from IPython.display import display
 
         self.figure, self.figure_kw = figure, figure_kw
         self.every_s, self.dpi = every_s, dpi
-        self.fig = plt.figure(**(fig_kw or {"figsize": (11, 6.5)}))
+        self.fig = figure(MetricsRecorder(None), **figure_kw)  # at the figure's own size
         plt.close(self.fig)  # shown through the handle only, not again at the cell's end
         self.frames, self.draw_s, self._last = 0, 0.0, 0.0
         self.handle = display(self._render(MetricsRecorder(None)), display_id=True)
@@ -195,8 +174,7 @@ class LivePlot:
 def save_figure(rec: MetricsRecorder, path: Path | str, *,
                 figure: Callable[..., Figure] = toy_figure, **kwargs: Any) -> Path:
     """Write ``figure(rec)`` (the toy ring's, by default) to ``path`` as PNG; returns the path."""
-    kwargs.setdefault("window_s", None)
-    fig = figure(rec, **kwargs)
+    fig = figure(rec, **{"window_s": None, **kwargs})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -207,5 +185,4 @@ def save_figure(rec: MetricsRecorder, path: Path | str, *,
 def load_run(run_dir: Path | str, *, figure: Callable[..., Figure] = toy_figure,
              **kwargs: Any) -> Figure:
     """Re-plot a run from its ``metrics.jsonl`` (``figure=llm_figure`` for an LLM run)."""
-    kwargs.setdefault("window_s", None)
-    return figure(load_metrics(run_dir), **kwargs)
+    return figure(load_metrics(run_dir), **{"window_s": None, **kwargs})

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 ENV = "GRPO_NB_SERVER_CPUS"  # "auto" (default), "off", or a core list such as "1" or "2-3,5"
-
-CpuSpec = str | Sequence[int] | None
 
 
 @dataclass(frozen=True)
@@ -43,18 +40,24 @@ def available_cpus() -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
-def parse_cpus(text: str, field: str = "cpus") -> tuple[int, ...]:
-    """``"0,2-3"`` → ``(0, 2, 3)``; errors name ``field``."""
+def parse_cpus(spec: str | Sequence[int], field: str = "cpus") -> tuple[int, ...]:
+    """``"0,2-3"`` or ``[3, 0, 2]`` → ``(0, 2, 3)``; errors name ``field``."""
+    if not isinstance(spec, str):
+        if isinstance(spec, bool) or not spec or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in spec):
+            raise ValueError(f"{field}={spec!r}: 'auto', 'off', or a non-empty list of core "
+                             "ids ≥ 0")
+        return tuple(sorted(set(spec)))
     out: set[int] = set()
     try:
-        for part in text.replace(" ", "").split(","):
+        for part in spec.replace(" ", "").split(","):
             lo, _, hi = part.partition("-")
             out.update(range(int(lo), int(hi or lo) + 1))
     except ValueError:
-        raise ValueError(f"{field}={text!r}: use 'auto', 'off' or core ids like '1' or "
+        raise ValueError(f"{field}={spec!r}: use 'auto', 'off' or core ids like '1' or "
                          "'2-3,5'") from None
     if not out:
-        raise ValueError(f"{field}={text!r}: names no core")
+        raise ValueError(f"{field}={spec!r}: names no core")
     return tuple(sorted(out))
 
 
@@ -69,25 +72,13 @@ def format_cpus(cpus: Sequence[int] | None) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges) or "-"
 
 
-def check_spec(spec: CpuSpec, field: str) -> None:
-    """Validate a cpu spec: ``"auto"``, ``"off"``, ``None``, a core list string, or ints."""
-    if spec is None or spec in ("auto", "off"):
-        return
-    if isinstance(spec, str):
-        parse_cpus(spec, field)
-    elif isinstance(spec, bool) or not spec or not all(
-            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in spec):
-        raise ValueError(f"{field}={spec!r}: 'auto', 'off', or a non-empty list of core ids ≥ 0")
-
-
-def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *,
-         gpu: bool | None = None) -> Plan:
+def plan(cpus: int | Sequence[int] | None = None,
+         server_cpus: str | Sequence[int] | None = None, *, gpu: bool | None = None) -> Plan:
     """The partition for ``cpus`` (a count or core ids; default: this process's cores);
     ``server_cpus`` defaults to ``$GRPO_NB_SERVER_CPUS``, else ``"auto"``."""
     allowed = tuple(range(cpus)) if isinstance(cpus, int) else tuple(sorted(cpus or available_cpus()))
     spec = server_cpus if server_cpus is not None else (os.environ.get(ENV) or "auto")
     field = "server_cpus" if server_cpus is not None else ENV
-    check_spec(spec, field)
     if spec == "off":
         return Plan(why=f"{field}=off")
     if spec == "auto":
@@ -96,7 +87,7 @@ def plan(cpus: int | Sequence[int] | None = None, server_cpus: CpuSpec = None, *
         if len(allowed) < 2:
             return Plan(why=f"only {len(allowed)} core")
         return _split(allowed, (allowed[-1],), f"auto: the last of {len(allowed)} cores")
-    chosen = parse_cpus(spec, field) if isinstance(spec, str) else tuple(sorted(set(spec)))
+    chosen = parse_cpus(spec, field)
     if not set(chosen) <= set(allowed):
         raise ValueError(f"{field}={spec!r}: cores {format_cpus(set(chosen) - set(allowed))} "
                          f"are not among this process's cores {format_cpus(allowed)}")
@@ -153,15 +144,3 @@ def pinned(p: Plan) -> Iterator[Plan]:
         _pin_all_threads(cpus)
         torch.set_num_threads(threads)
 
-
-def exec_pinned(cpus: Sequence[int], cmd: list[str]) -> list[str]:
-    """``cmd`` behind a trampoline that pins itself, then execs it: the whole tree inherits the
-    mask (``preexec_fn`` can deadlock in a threaded parent)."""
-    mask = ",".join(str(int(c)) for c in cpus)
-    code = f"import os,sys;os.sched_setaffinity(0,{{{mask}}});os.execv(sys.argv[1],sys.argv[1:])"
-    return [sys.executable, "-S", "-c", code, *cmd]
-
-
-def server_env(cpus: Sequence[int]) -> dict[str, str]:
-    """vLLM-CPU's OpenMP binding to exactly ``cpus`` (else it picks cores itself)."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

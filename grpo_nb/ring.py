@@ -20,8 +20,7 @@ from grpo_nb.metrics import MetricsRecorder
 
 @dataclass
 class Event:
-    """What actors tell the controller: ``"busy"`` rows, ``"exited"``, ``"error"``, or a ring's own
-    row kind (``"step"``, ``"sync"`` …)."""
+    """What actors tell the controller: ``"busy"``, ``"exited"``, ``"error"`` or a row kind."""
 
     kind: str
     data: Any
@@ -29,15 +28,6 @@ class Event:
 
 class RingError(RuntimeError):
     """A ring actor failed; the message carries its name and traceback."""
-
-
-def share(total: int, rank: int, k: int) -> int:
-    """Generator ``rank``'s share of ``total`` groups split as evenly as possible over ``k``."""
-    return total // k + (1 if rank < total % k else 0)
-
-
-async def _awaited(fut: Any) -> Any:
-    return await fut  # a runtime's Future as a coroutine (asyncio.wait/wait_for need one)
 
 
 async def cancel_task(task: asyncio.Task | None, *, quiet: bool = False) -> None:
@@ -75,11 +65,8 @@ class Stage(Actor):
     name = "stage"
     quiet_cancel = False  # True: an exception while the loop unwinds after cancel is ignored
 
-    def attach(self, metrics: Any, name: str | None = None) -> None:
-        self.metrics = metrics
-        if name is not None:
-            self.name = name
-        self.busy = Busy(self.name, metrics)
+    def attach(self, metrics: Any) -> None:
+        self.metrics, self.busy = metrics, Busy(self.name, metrics)
 
     def report(self, kind: str, **data: Any) -> None:
         self.metrics.send(Event(kind, data))
@@ -112,15 +99,17 @@ class Source(Stage):
     def open_credits(self, generators: int, metrics: Any) -> None:
         """Attach as ``gen<rank>``, one of ``generators`` sharing the credits; none yet."""
         self.rank, self.generators = current_rank().rank, generators
-        self.attach(metrics, f"gen{self.rank}")
+        self.name = f"gen{self.rank}"
+        self.attach(metrics)
         self.trainer_version = self.allowed = self.made = 0
         self.changed = asyncio.Event()
 
     @endpoint
     async def progress(self, version: int, issued: int) -> None:
-        """The trainer's weight version, and how many groups the whole ring may have issued."""
+        """The trainer's weight version, and how many groups the whole ring may have issued: this
+        source may make its share, ``issued`` split as evenly as possible over the sources."""
         self.trainer_version = version
-        self.allowed = share(issued, self.rank, self.generators)
+        self.allowed = issued // self.generators + int(self.rank < issued % self.generators)
         self.changed.set()
 
     async def credit(self, running: set[asyncio.Task] | None = None, slots: int = 1) -> None:
@@ -142,8 +131,7 @@ class Source(Stage):
     @endpoint
     async def drain(self) -> None:
         """Stop producing, then tell the next stage this source is done (one ``None``)."""
-        await self.stop_loop()
-        self.busy.flush()
+        await self.stop_loop()  # its busy rows are flushed as the loop ends
         self.out.send(None)
 
 
@@ -151,11 +139,13 @@ class Sink(Stage):
     """A stage with an inlet; the ring's end (the trainer). Each wait while the ring ends is
     bounded, so a dead or stuck peer ends the run with a named error."""
 
-    finish_timeout_s = 60.0  # the bound; timeout_field names its setting in the error
-    timeout_field = "finish_timeout_s"
+    finish_timeout_s = 60.0  # the bound (a stage may set it from its config)
+    timeout_field = "finish_timeout_s"  # the bound's setting, named in the error
     sender = "upstream"  # who feeds the inlet, for error messages
 
-    def open_inlet(self) -> None:
+    def open_inlet(self, metrics: Any) -> None:
+        """Attach, and open the inlet that :meth:`inlet` hands to the stage before this one."""
+        self.attach(metrics)
         self.port, self.inbox = Channel.open()
 
     @endpoint
@@ -164,8 +154,8 @@ class Sink(Stage):
 
     async def drain_sources(self, sources: Any, count: int) -> None:
         """Drain the ``count`` sources at once; name those that do not answer in time."""
-        calls = {f"gen{r}": asyncio.ensure_future(
-            _awaited(sources.slice(gpus=r).drain.call_one())) for r in range(count)}
+        calls = {f"gen{r}": asyncio.ensure_future(sources.slice(gpus=r).drain.call_one())
+                 for r in range(count)}
         t0 = time.monotonic()
         done, late = await asyncio.wait(calls.values(), timeout=self.finish_timeout_s)
         for task in late:
@@ -185,8 +175,7 @@ class Sink(Stage):
         t0 = time.monotonic()
         try:
             return await asyncio.wait_for(
-                _awaited(pending if pending is not None else self.inbox.recv()),
-                self.finish_timeout_s)
+                pending if pending is not None else self.inbox.recv(), self.finish_timeout_s)
         except TimeoutError:
             raise RingError(
                 f"{self.name}: nothing from {self.sender} for {time.monotonic() - t0:.1f} s "
@@ -208,12 +197,7 @@ class Relay(Sink):
     label = "work"
 
     @endpoint
-    async def start(self, out: Any, finish_timeout_s: float | None = None,
-                    timeout_field: str | None = None) -> None:
-        if finish_timeout_s is not None:
-            self.finish_timeout_s = finish_timeout_s
-        if timeout_field is not None:
-            self.timeout_field = timeout_field
+    async def start(self, out: Any) -> None:
         self.launch(self._relay(out))
 
     async def _relay(self, out: Any) -> None:
@@ -252,10 +236,10 @@ class Controller:
 
     def procs(self, n: int = 1, *, here: bool = False) -> Any:
         """A proc mesh of ``n`` processes (labelled ``gpus``), or this process (``here``)."""
-        procs = self.api.this_proc() if here else self.api.this_host().spawn_procs(
-            per_host={"gpus": n})
-        if not here:
-            self._procs.append(procs)
+        if here:
+            return self.api.this_proc()
+        procs = self.api.this_host().spawn_procs(per_host={"gpus": n})
+        self._procs.append(procs)
         return procs
 
     def spawn(self, procs: Any, name: str, cls: type, *args: Any) -> Any:
@@ -263,12 +247,11 @@ class Controller:
         self._meshes.append(mesh)
         return mesh
 
-    async def wire(self, generators: Any, scorer: Any, reference: Any, trainer: Any,
-                   **relay_kwargs: Any) -> None:
+    async def wire(self, generators: Any, scorer: Any, reference: Any, trainer: Any) -> None:
         """Start the stages back to front: every stage's output exists before anything flows in."""
         await trainer.start.call_one(generators)
-        await reference.start.call_one(await trainer.inlet.call_one(), **relay_kwargs)
-        await scorer.start.call_one(await reference.inlet.call_one(), **relay_kwargs)
+        await reference.start.call_one(await trainer.inlet.call_one())
+        await scorer.start.call_one(await reference.inlet.call_one())
         await generators.start.call()
 
     async def relay(self, until: Collection[str], *,
@@ -284,7 +267,7 @@ class Controller:
         try:
             while waiting:
                 if recv is None:
-                    recv = asyncio.ensure_future(_awaited(self.inbox.recv()))
+                    recv = asyncio.ensure_future(self.inbox.recv())
                 done, _ = await asyncio.wait({recv, *tasks}, return_when=asyncio.FIRST_COMPLETED)
                 for task in done - {recv}:
                     tasks.discard(task)
@@ -309,7 +292,7 @@ class Controller:
                 if on_event is not None:
                     on_event(event)
         finally:
-            for task in [*tasks, *([recv] if recv is not None else [])]:
+            for task in [*tasks, recv]:
                 await cancel_task(task, quiet=True)
         return exited
 
@@ -317,9 +300,8 @@ class Controller:
         """Stop every actor mesh, then every proc mesh; one that hangs or fails stops no other."""
         for mesh in [*reversed(self._meshes), *self._procs]:
             try:
-                await asyncio.wait_for(asyncio.ensure_future(_awaited(mesh.stop())),
-                                       self.stop_timeout_s)
-            except (Exception, TimeoutError) as err:
+                await asyncio.wait_for(asyncio.ensure_future(mesh.stop()), self.stop_timeout_s)
+            except Exception as err:  # TimeoutError too
                 print(f"warning: stopping {mesh!r} failed: {err!r}", file=sys.stderr)
         self._meshes, self._procs = [], []
 

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from grpo_nb.config import cache_dir
 from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset
 
@@ -46,8 +48,6 @@ class TinyModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.task, dict):
-            self.task = ArithmeticTaskConfig(**self.task)
         for name, low in [("hidden_size", 1), ("num_layers", 1), ("num_heads", 1), ("head_dim", 1),
                           ("num_kv_heads", 1), ("ffn_size", 1), ("batch_size", 1),
                           ("eval_every", 1), ("eval_size", 1), ("max_steps", 0),
@@ -88,14 +88,11 @@ def build_tokenizer() -> Any:
     core.add_special_tokens(list(SPECIALS))
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
                                   unk_token="<unk>")
-    if len(tok) != VOCAB_SIZE:
-        raise AssertionError(f"tokenizer has {len(tok)} tokens, expected {VOCAB_SIZE}")
     return tok
 
 
 def build_model(cfg: TinyModelConfig, tokenizer: Any) -> Any:
     """A randomly initialised ``Qwen3ForCausalLM`` (seeded by ``cfg.seed``)."""
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
@@ -113,8 +110,6 @@ def build_model(cfg: TinyModelConfig, tokenizer: Any) -> Any:
 
 def greedy_accuracy(model: Any, prompt_ids: Any, answer_ids: Any, batch: int = 1024) -> float:
     """Fraction of prompts whose greedy continuation is the answer then ``<eos>`` (one pass)."""
-    import torch
-
     was_training = model.training
     model.eval()
     correct, p = 0, prompt_ids.shape[1]
@@ -130,8 +125,6 @@ def greedy_accuracy(model: Any, prompt_ids: Any, answer_ids: Any, batch: int = 1
 
 def _additions(cfg: TinyModelConfig, tokenizer: Any, a: Any, b: Any) -> tuple[Any, Any]:
     """``(input_ids, labels)`` of the problems ``a + b``, the loss on answer and ``<eos>`` only."""
-    import torch
-
     zero = tokenizer.convert_tokens_to_ids("0")  # digits are consecutive ids
 
     def digits(x: Any, n: int) -> Any:
@@ -149,7 +142,6 @@ def _additions(cfg: TinyModelConfig, tokenizer: Any, a: Any, b: Any) -> tuple[An
 
 
 def _sft(cfg: TinyModelConfig, model: Any, tokenizer: Any, progress: bool) -> dict[str, Any]:
-    import torch
     from tqdm.auto import tqdm
 
     test = make_dataset(cfg.task)["test"]
@@ -167,8 +159,7 @@ def _sft(cfg: TinyModelConfig, model: Any, tokenizer: Any, progress: bool) -> di
         opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     model.train()
     t0, acc, step, history = time.perf_counter(), 0.0, 0, []
-    bar = tqdm(total=cfg.max_steps, desc="SFT warm start", disable=not progress, leave=False)
-    try:
+    with tqdm(total=cfg.max_steps, desc="SFT warm start", disable=not progress, leave=False) as bar:
         while step < cfg.max_steps:
             # a fresh batch of additions, none from the test split
             a = torch.randint(0, size, (2 * cfg.batch_size,), generator=gen)
@@ -189,16 +180,13 @@ def _sft(cfg: TinyModelConfig, model: Any, tokenizer: Any, progress: bool) -> di
                 bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.0%}")
                 if acc >= cfg.target_acc:
                     break
-    finally:
-        bar.close()
     return {"steps": step, "eval_accuracy": acc, "history": history,
             "test_accuracy": greedy_accuracy(model, test_p, test_a),
             "sft_seconds": round(time.perf_counter() - t0, 2)}
 
 
-def build(cfg: TinyModelConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
+def build(cfg: TinyModelConfig, out_dir: Path, *, progress: bool = True) -> None:
     """Build the tokenizer and model, warm-start it, and save both into ``out_dir``."""
-    import torch
     from transformers import GenerationConfig
 
     tokenizer = build_tokenizer()
@@ -211,7 +199,6 @@ def build(cfg: TinyModelConfig, out_dir: Path, *, progress: bool = True) -> dict
         summary = _sft(cfg, model, tokenizer, progress)
     finally:
         torch.set_num_threads(threads)
-    out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out_dir)
@@ -219,7 +206,6 @@ def build(cfg: TinyModelConfig, out_dir: Path, *, progress: bool = True) -> dict
     meta = {"config": asdict(cfg), "key": cfg.key(), "torch": torch.__version__,
             "params": sum(p.numel() for p in model.parameters()), **summary}
     (out_dir / "grpo_nb_meta.json").write_text(json.dumps(meta, indent=1))
-    return meta
 
 
 def build_or_load(cfg: TinyModelConfig | None = None, *, progress: bool = True,
@@ -254,12 +240,3 @@ def is_tiny_model(model: Path | str | None) -> bool:
 def load_meta(model_dir: Path | str) -> dict[str, Any]:
     """The build summary saved next to a tiny model (accuracy, steps, time, config)."""
     return json.loads((Path(model_dir) / "grpo_nb_meta.json").read_text())
-
-
-def load_hf(model_dir: Path | str) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` with transformers, float32, eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(model_dir)

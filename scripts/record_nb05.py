@@ -4,7 +4,7 @@
 
 ``nb05-async`` and ``nb05-sync`` (sections 6 and 7) are 05's ``cfg`` (its smoke preset, float32)
 with ``--steps`` and ``--time-budget``, the second in sync mode; ``nb05-stale0`` is Exercise 2's
-``short`` run of that ``cfg``. One vLLM server (05 section 2's ``start_server``) serves a short
+``short`` run of that ``cfg``. One vLLM server (05 section 2's ``server_for``) serves a short
 warm-up run and then the three ``train()`` calls in turn, as in the notebook; once all three
 finished, each is shrunk into ``--out`` with ``record_run``. Prints the machine, the command-line
 equivalent of each run and one JSON line per run, and writes them into the recording block of
@@ -34,8 +34,8 @@ from grpo_nb.llm import cost
 from grpo_nb.llm.cli import parse_config
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.dashboard import quiet_libraries, record_run, recorded_run
-from grpo_nb.llm.run import start_server, train
-from grpo_nb.serving.server_config import EAGER_ENV
+from grpo_nb.llm.run import server_for, train
+from grpo_nb.serving.server import EAGER_ENV
 from grpo_nb.tiny_model import TinyModelConfig, build_or_load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def main(argv: list[str]) -> int:
     quiet_libraries()
     t0 = time.perf_counter()
     model_dir = build_or_load(TinyModelConfig(), progress=False)  # 05 section 2's model
-    server = start_server(str(model_dir), cfgs["nb05-async"], True)
+    server = server_for(str(model_dir), cfgs["nb05-async"]).start()
     try:
         print(json.dumps({"server_start_s": round(time.perf_counter() - t0, 1),
                           "server_cpus": getattr(server, "cpus", None)}), flush=True)

@@ -94,7 +94,7 @@ def offline_typeset(html_path: Path, wait_s: float = 15.0) -> dict[str, Any]:
     aborted and listed."""
     from playwright.sync_api import sync_playwright
 
-    from grpo_nb.course.handouts_render import CHROMIUM_ARGS, chromium_executable
+    from grpo_nb.course.handouts import CHROMIUM_ARGS, chromium_executable
 
     blocked: list[str] = []
 

@@ -30,17 +30,17 @@ class SharedServer:
 
     def __init__(self, model_dir: Path) -> None:
         from grpo_nb.llm.config import LLMConfig
-        from grpo_nb.llm.run import start_server
+        from grpo_nb.llm.run import server_for
 
         self.model_dir, self.changed = model_dir, False
-        self.server = start_server(str(model_dir), LLMConfig(), progress=False)
+        self.server = server_for(str(model_dir), LLMConfig()).start(progress=False)
 
     def restore(self) -> None:
         """Serve the model folder's own weights again (a gloo sync: about a second)."""
-        from grpo_nb.tiny_model import load_hf
+        from grpo_nb.llm.policy import load_policy
         from grpo_nb.weight_sync import WeightSyncer
 
-        with WeightSyncer(self.server.url, load_hf(self.model_dir)[0]) as syncer:
+        with WeightSyncer(self.server.url, load_policy(self.model_dir)[0]) as syncer:
             syncer.sync(0)
             assert syncer.weight_gap() < 1e-4
         self.changed = False

@@ -43,7 +43,7 @@ from browser_helpers import (
 )
 from playwright.sync_api import sync_playwright
 
-from grpo_nb.course.handouts_render import CHROMIUM_ARGS, chromium_executable
+from grpo_nb.course.handouts import CHROMIUM_ARGS, chromium_executable
 
 pytestmark = pytest.mark.browser
 

@@ -65,10 +65,9 @@ def _train(cfg: LLMConfig, model_dir: Path, server: Any, name: str, **kw: Any) -
 
 
 def _load_checkpoint(folder: Path, model_dir: Path) -> dict[str, Any]:
-    from grpo_nb.llm.policy import PolicyTrainer
-    from grpo_nb.tiny_model import load_hf
+    from grpo_nb.llm.policy import PolicyTrainer, load_policy
 
-    model, tok = load_hf(model_dir)
+    model, tok = load_policy(model_dir)
     return PolicyTrainer(model, tok, _cfg()).load(folder)
 
 
@@ -249,10 +248,10 @@ def test_killing_the_server_mid_sync_ends_the_run_clearly(ring_server, tiny_mode
 def test_killing_the_server_mid_generation_ends_the_run_clearly(tiny_model_dir, runs,
                                                                 monkeypatch) -> None:
     """On a server of its own (started here, then killed)."""
-    from grpo_nb.llm.run import RunAborted, start_server
+    from grpo_nb.llm.run import RunAborted, server_for
     from grpo_nb.serving.client import CompletionsClient
 
-    own = start_server(str(tiny_model_dir), _cfg(), progress=False)
+    own = server_for(str(tiny_model_dir), _cfg()).start(progress=False)
     complete, state = CompletionsClient.complete, {"groups": 0, "t": 0.0}
 
     async def killing(self, prompt_ids, **kw):

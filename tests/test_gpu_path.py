@@ -276,7 +276,7 @@ def test_notebook_04_serves_the_tiny_model_in_float32_on_any_device(monkeypatch,
 @pytest.mark.parametrize("gpus", [0, 1, 2])
 def test_notebook_05_server_engine_and_syncer_transport_agree(monkeypatch, gpus) -> None:
     """05's setup cell, run with 0, 1 or 2 GPUs faked: the engine the server is started with
-    (``start_server(model_dir, cfg)`` → placement) is the transport of the ``sync_cfg``
+    (``server_for(model_dir, cfg)`` → placement) is the transport of the ``sync_cfg``
     every WeightSyncer of the notebook gets, the trainer model sits on the device that
     transport sends from, and both sides run float32 (the notebook's 1e-3 checks)."""
     _fake_gpus(monkeypatch, gpus)
@@ -290,7 +290,7 @@ def test_notebook_05_server_engine_and_syncer_transport_agree(monkeypatch, gpus)
     assert server.dtype == placement.dtype_of(cfg) == "float32"
     assert (sync_cfg.pause_mode == "none") == (gpus == 0)  # none: CPU engines only
     # Every syncer of the notebook takes sync_cfg (or a copy with other pause/verify), and
-    # every model it syncs is moved to `device` where it is loaded.
+    # every model it syncs is loaded onto `device`.
     calls = [n for src in _code("05_async_grpo.ipynb") for n in ast.walk(ast.parse(
         "\n".join(x for x in src.splitlines() if not x.startswith("%"))))
              if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "WeightSyncer"]
@@ -302,5 +302,5 @@ def test_notebook_05_server_engine_and_syncer_transport_agree(monkeypatch, gpus)
             arg = arg.args[0]
         assert getattr(arg, "id", None) == "sync_cfg", ast.unparse(call)
     for src in _code("05_async_grpo.ipynb"):
-        if "model, tok = load_hf(model_dir)" in src:
-            assert "model.to(device)" in src, src
+        if "model, tok = load_policy(" in src:
+            assert "model, tok = load_policy(model_dir, device)" in src, src

@@ -15,7 +15,7 @@ import pytest
 from browser_helpers import FIXTURE_SOLUTION, fixture_notebook, offline_typeset
 
 from grpo_nb.course import doctor, handouts
-from grpo_nb.course.handouts_render import FROM_WIDGET, WIDGET_VIEW
+from grpo_nb.course.handouts import FROM_WIDGET, WIDGET_VIEW
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))

@@ -21,7 +21,7 @@ import torch
 
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Rollout
-from grpo_nb.llm.policy import PolicyTrainer, make_batch
+from grpo_nb.llm.policy import PolicyTrainer, load_policy, make_batch
 
 # ── config ──
 
@@ -154,9 +154,8 @@ def test_make_batch_pads_and_masks_only_completion_tokens() -> None:
 
 def test_trainer_step_moves_probability_towards_rewarded_completion(random_model_dir) -> None:
     from grpo_nb.grpo import sequence_logprobs
-    from grpo_nb.tiny_model import load_hf
 
-    model, tok = load_hf(random_model_dir)
+    model, tok = load_policy(random_model_dir)
     cfg = LLMConfig(prompts_per_step=2, group_size=2, grad_accum=2, lr=1e-2,
                     ratio_against="trainer", tis_cap=2.0)
     pt = PolicyTrainer(model, tok, cfg)
@@ -183,9 +182,8 @@ def test_step_row_reports_entropy_truncation_and_groups_without_signal(random_mo
     out, a token-mean over micro-batches whatever loss_agg weighs), the fraction cut at
     max_tokens, the fraction of groups with all rewards equal, the mean completion length."""
     from grpo_nb.grpo import next_token_logits
-    from grpo_nb.tiny_model import load_hf
 
-    model, tok = load_hf(random_model_dir)
+    model, tok = load_policy(random_model_dir)
     cfg = LLMConfig(prompts_per_step=2, group_size=2, grad_accum=2, temperature=0.7,
                     loss_agg="seq-mean-token-mean")
     pt = PolicyTrainer(model, tok, cfg)
@@ -223,14 +221,12 @@ def test_summary_reports_entropy_at_both_ends_and_the_diagnostics_means() -> Non
 
 
 def test_checkpoint_round_trip(random_model_dir, tmp_path: Path) -> None:
-    from grpo_nb.tiny_model import load_hf
-
-    model, tok = load_hf(random_model_dir)
+    model, tok = load_policy(random_model_dir)
     cfg = LLMConfig(prompts_per_step=1, group_size=2)
     pt = PolicyTrainer(model, tok, cfg)
     pt.step([_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])])
     pt.save(tmp_path / "ckpt", {"dropped": 3})
-    other = PolicyTrainer(load_hf(random_model_dir)[0], tok, cfg)
+    other = PolicyTrainer(load_policy(random_model_dir)[0], tok, cfg)
     saved = other.load(tmp_path / "ckpt")
     assert saved["dropped"] == 3 and other.step_count == 1
     for a, b in zip(model.parameters(), other.model.parameters(), strict=True):
@@ -244,9 +240,7 @@ def _params(model) -> list[torch.Tensor]:
 
 def test_non_finite_loss_skips_the_step_and_leaves_weights_alone(random_model_dir,
                                                                   monkeypatch) -> None:
-    from grpo_nb.tiny_model import load_hf
-
-    model, tok = load_hf(random_model_dir)
+    model, tok = load_policy(random_model_dir)
     pt = PolicyTrainer(model, tok, LLMConfig(prompts_per_step=1, group_size=2, lr=1e-2))
     groups = [_group([3, 4], [[5, 1], [6, 1]], [1.0, 0.0])]
     before = _params(model)
@@ -261,9 +255,7 @@ def test_non_finite_loss_skips_the_step_and_leaves_weights_alone(random_model_di
 
 
 def test_non_finite_gradient_skips_the_step(random_model_dir, monkeypatch) -> None:
-    from grpo_nb.tiny_model import load_hf
-
-    model, tok = load_hf(random_model_dir)
+    model, tok = load_policy(random_model_dir)
     pt = PolicyTrainer(model, tok, LLMConfig(prompts_per_step=1, group_size=2))
     before = _params(model)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(math.inf))
@@ -277,13 +269,11 @@ def test_num_iterations_updates_each_batch_that_often_against_the_first_policy(
     """GRPO's μ: μ optimiser updates per step, one step counted. With the trainer as the "old"
     policy, the first update's ratio is exactly 1 and later ones compare with the policy
     before the step's first update, so the ratio moves and the clip acts."""
-    from grpo_nb.tiny_model import load_hf
-
     groups = [_group([3, 4, 5], [[6, 7, 1], [8, 9, 1]], [1.0, 0.0]),
               _group([3, 4], [[6, 1], [9, 1]], [0.0, 1.0])]
     rows = {}
     for mu in (1, 3):
-        model, tok = load_hf(random_model_dir)
+        model, tok = load_policy(random_model_dir)
         cfg = LLMConfig(prompts_per_step=2, group_size=2, grad_accum=2, lr=5e-2,
                         ratio_against="trainer", tis_cap=2.0, num_iterations=mu)
         pt = PolicyTrainer(model, tok, cfg)
@@ -296,9 +286,7 @@ def test_num_iterations_updates_each_batch_that_often_against_the_first_policy(
 
 def test_a_non_finite_later_update_keeps_the_updates_made(random_model_dir,
                                                           monkeypatch) -> None:
-    from grpo_nb.tiny_model import load_hf
-
-    model, tok = load_hf(random_model_dir)
+    model, tok = load_policy(random_model_dir)
     pt = PolicyTrainer(model, tok, LLMConfig(prompts_per_step=1, group_size=2, lr=1e-2,
                                              num_iterations=3))
     before = _params(model)
@@ -319,13 +307,11 @@ def test_a_non_finite_later_update_keeps_the_updates_made(random_model_dir,
                                       "token-mean"])
 def test_gradient_does_not_depend_on_grad_accum(random_model_dir, loss_agg: str) -> None:
     """Micro-batches of different widths and lengths: the summed gradient is the batch's."""
-    from grpo_nb.tiny_model import load_hf
-
     groups = [_group([3, 4, 5], [[6, 7, 8, 9, 1], [8, 1]], [1.0, 0.0]),
               _group([3, 4], [[6, 1], [9, 1]], [0.0, 1.0])]
     grads = []
     for accum in (1, 2):
-        model, tok = load_hf(random_model_dir)
+        model, tok = load_policy(random_model_dir)
         cfg = LLMConfig(prompts_per_step=2, group_size=2, grad_accum=accum, loss_agg=loss_agg,
                         max_grad_norm=1e9, max_tokens=8)
         PolicyTrainer(model, tok, cfg).step(groups)
@@ -342,10 +328,9 @@ def _crash(*args, **kwargs) -> None:
 def test_checkpoint_survives_a_crash_while_being_replaced(random_model_dir, tmp_path: Path,
                                                           monkeypatch) -> None:
     """A crash while writing, or just before the switch: the previous one still loads."""
-    from grpo_nb.llm import checkpoint
-    from grpo_nb.tiny_model import load_hf
+    from grpo_nb.llm import policy
 
-    model, tok = load_hf(random_model_dir)
+    model, tok = load_policy(random_model_dir)
     cfg = LLMConfig(prompts_per_step=1, group_size=2)
     pt = PolicyTrainer(model, tok, cfg)
     pt.save(tmp_path / "checkpoint", {"mark": "first"})
@@ -355,13 +340,13 @@ def test_checkpoint_survives_a_crash_while_being_replaced(random_model_dir, tmp_
             if where == "write":  # the optimizer state is written after the model
                 m.setattr(torch, "save", _crash)
             else:  # everything written and renamed, the link not yet switched
-                m.setattr(checkpoint.os, "replace", _crash)
+                m.setattr(policy.os, "replace", _crash)
             with pytest.raises(RuntimeError, match="crash"):
                 pt.save(tmp_path / "checkpoint", {"mark": "second"})
-        other = PolicyTrainer(load_hf(random_model_dir)[0], tok, cfg)
+        other = PolicyTrainer(load_policy(random_model_dir)[0], tok, cfg)
         assert other.load(tmp_path / "checkpoint")["mark"] == "first" and other.step_count == 0
     pt.save(tmp_path / "checkpoint", {"mark": "third"})  # and a later save cleans up
-    assert PolicyTrainer(load_hf(random_model_dir)[0], tok, cfg).load(
+    assert PolicyTrainer(load_policy(random_model_dir)[0], tok, cfg).load(
         tmp_path / "checkpoint")["mark"] == "third"
     assert len(list(tmp_path.glob("ckpt-*"))) == 1
 
@@ -494,9 +479,8 @@ def test_sampler_and_trainer_logprobs_agree_at_temperature_0_7(vllm_server,
     at T by the sampler's: both must be post-temperature, or fresh samples have ratio ≠ 1."""
     from grpo_nb.grpo import sequence_logprobs
     from grpo_nb.serving.client import CompletionsClient
-    from grpo_nb.tiny_model import load_hf
 
-    model, tok = load_hf(tiny_model_dir)
+    model, tok = load_policy(tiny_model_dir)
     prompts = [tok.encode(f"{a}+{b}=", add_special_tokens=False)
                for a, b in [(12, 345), (7, 80), (409, 3), (55, 55)]]
 
@@ -537,11 +521,10 @@ def test_async_and_sync_modes_run_verify_and_schedule_differently(
         ring_server, tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
     from grpo_nb.llm.run import train
     from grpo_nb.metrics import load_metrics
-    from grpo_nb.tiny_model import load_hf
     from grpo_nb.weight_sync import WeightSyncer
 
     monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
-    base = load_hf(tiny_model_dir)[0]
+    base = load_policy(tiny_model_dir)[0]
     results, moved = {}, {}
     for mode in ("async", "sync"):
         cfg = LLMConfig(mode=mode, **SMALL)

@@ -96,6 +96,10 @@ def test_set_reads_each_field_by_its_type_and_names_bad_ones() -> None:
             apply_sets(LLMConfig(), [bad])
     with pytest.raises(SystemExit):
         parse_config(["--set", "lr"])
+    # A flag whose dest is a field sets it as --set would; --set comes last.
+    args, cfg, _ = parse_config(["--steps", "5", "--time-budget", "30", "--transport",
+                                 "reload", "--name", "x", "--set", "steps=7"])
+    assert (cfg.steps, cfg.time_budget_s, cfg.sync.transport, args.name) == (7, 30.0, "reload", "x")
 
 
 def test_device_derives_dtype_transport_tolerance_and_server(monkeypatch, realistic) -> None:
@@ -246,13 +250,14 @@ def test_rollouts_cli_server_context_holds_the_prompt_and_max_tokens(realistic) 
     requests' max_tokens from one LLMConfig, with the training server's config."""
     from transformers import AutoTokenizer
 
-    from grpo_nb.llm import rollouts as rollouts_cli
+    from grpo_nb.llm.cli import parse_rollouts
     from grpo_nb.llm.data import load_data
 
     tok = AutoTokenizer.from_pretrained(realistic.model)
     base = ["--smoke", "--model", realistic.model, "--dataset", realistic.data]
-    for extra, max_tokens in (([], 256), (["--max-tokens", "512"], 512)):
-        cfg = rollouts_cli.plan(rollouts_cli._parser().parse_args(base + extra))
+    for extra, max_tokens in (([], 256), (["--max-tokens", "512"], 512),
+                              (["--set", "max_tokens=300"], 300)):  # train's --set too
+        cfg = parse_rollouts(base + extra)[1]
         kept = load_data(tok, cfg, smoke=True).test  # what the CLI samples
         scfg = placement.server_config(cfg.model, cfg)  # what the CLI starts
         assert cfg.max_tokens == max_tokens and kept

@@ -53,7 +53,7 @@ def test_bad_server_cpus_name_the_field(spec, message):
 
 
 def test_bad_server_config_cpus_names_the_field():
-    from grpo_nb.serving.server_config import ServerConfig
+    from grpo_nb.serving.server import ServerConfig
 
     with pytest.raises(ValueError, match="ServerConfig.cpus"):
         ServerConfig(model="m", cpus="one")
@@ -113,6 +113,33 @@ def test_started_server_tree_runs_on_the_planned_cores(vllm_server):
         env = f.read().split(b"\0")
     assert f"VLLM_CPU_OMP_THREADS_BIND={format_cpus(want)}".encode() in env
     assert partition.available_cpus() == mine
+
+
+def test_a_pinned_tree_inherits_the_mask_and_the_starting_thread_keeps_its_own(monkeypatch,
+                                                                               tmp_path):
+    """No vLLM: a stand-in tree (a parent that starts a child) started with one core."""
+    import time
+
+    from grpo_nb.serving import server as serving
+
+    mine = partition.available_cpus()
+    if len(mine) < 2:
+        pytest.skip("needs 2 cores")
+    tree = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "time.sleep(60)")
+    monkeypatch.setattr(serving.ServerConfig, "command",
+                        lambda self, port, gpu: [sys.executable, "-c", tree])
+    monkeypatch.setattr(serving.VLLMServer, "healthy", lambda self: True)
+    monkeypatch.setattr(serving, "_LIVE", set())
+    cfg = serving.ServerConfig(model="fake", log_dir=tmp_path, cpus=[mine[-1]])
+    with serving.VLLMServer(cfg).start(progress=False) as server:
+        deadline = time.monotonic() + 20
+        while len(server.pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(server.pids()) == 2
+        assert {allowed_list(pid, pid) for pid in server.pids()} == {(mine[-1],)}
+        assert partition.available_cpus() == mine
 
 
 # ── the LLM ring's trainer side (no vLLM: a stand-in server that only has .cpus) ──

@@ -30,8 +30,7 @@ class Tail(Sink):
     finish_timeout_s = BOUND
 
     def __init__(self, metrics: Any) -> None:
-        self.attach(metrics)
-        self.open_inlet()
+        self.open_inlet(metrics)
 
     @endpoint
     async def finish(self, sources: Any = None, count: int = 0) -> None:
@@ -48,8 +47,7 @@ class Pass(Relay):
     finish_timeout_s = BOUND
 
     def __init__(self, metrics: Any) -> None:
-        self.attach(metrics)
-        self.open_inlet()
+        self.open_inlet(metrics)
 
     async def process(self, msg: Any) -> Any:
         return msg
@@ -60,7 +58,8 @@ class FakeGen(Source):
 
     def __init__(self, out: Any, metrics: Any, hang: int | None = None) -> None:
         self.out, self.hang = out, hang
-        self.attach(metrics, f"gen{current_rank().rank}")
+        self.name = f"gen{current_rank().rank}"
+        self.attach(metrics)
 
     @endpoint
     async def drain(self) -> None:
@@ -123,15 +122,21 @@ def test_relay_waits_freely_while_running_but_bounds_the_senders_after_the_first
     asyncio.run(main())
 
 
-def test_relay_start_takes_the_bound_and_its_name_from_the_caller():
+def test_the_llm_scorer_takes_its_bound_and_its_name_from_the_config():
+    from grpo_nb.llm.actors import Scorer
+    from grpo_nb.llm.config import LLMConfig
+    from grpo_nb.llm.data import RingSpec
+
     async def main() -> None:
         async with Controller() as ctl:
-            relay = ctl.spawn(ctl.procs(here=True), "pass", Pass, ctl.metrics)
+            cfg = LLMConfig(generators=2, finish_timeout_s=0.2)
+            scorer = ctl.spawn(ctl.procs(here=True), "scorer", Scorer, cfg,
+                               RingSpec("http://unused", "m", "unused", []), ctl.metrics)
             out, _ = ctl.api.Channel.open()
-            await relay.start.call_one(out, finish_timeout_s=0.2, timeout_field="Cfg.t")
-            (await relay.inlet.call_one()).send(None)
-            with pytest.raises(RingError, match=r"\(Cfg.t=0.2\)"):
-                await _relay_until(ctl, "pass")
+            await scorer.start.call_one(out)
+            (await scorer.inlet.call_one()).send(None)  # one generator ends, the other never
+            with pytest.raises(RingError, match=r"\(LLMConfig.finish_timeout_s=0.2\)"):
+                await _relay_until(ctl, "scorer")
 
     asyncio.run(main())
 
@@ -242,11 +247,11 @@ def test_llm_trainer_bounds_a_receive_pending_since_the_stop_and_the_drain():
         quiet = this_host().spawn_procs(per_host={"gpus": 2}).spawn(
             "gens", FakeGen, to_scorer, _Null(), None)
         with pytest.raises(RingError, match="while waiting for the end of the stream"):
-            await t._drain(quiet)
+            await t._finish(quiet)
         hung = this_host().spawn_procs(per_host={"gpus": 2}).spawn(
             "gens", FakeGen, to_scorer, _Null(), 0)
         with pytest.raises(RingError, match=r"trainer: gen0 did not finish draining"):
-            await t._drain(hung)
+            await t._finish(hung)
         await quiet.stop()
         await hung.stop()
 

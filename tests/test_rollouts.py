@@ -74,21 +74,22 @@ def test_summarize_counts_correct_samples_and_mixed_groups():
 @pytest.fixture(scope="module")
 def test_prompts(tiny_model_dir):
     from grpo_nb.llm.data import render_prompts
+    from grpo_nb.llm.policy import load_policy
     from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset
-    from grpo_nb.tiny_model import load_hf, load_meta
+    from grpo_nb.tiny_model import load_meta
 
     task = ArithmeticTaskConfig(**load_meta(tiny_model_dir)["config"]["task"])
     rows = list(make_dataset(task)["test"].select(range(12)))
-    return render_prompts(load_hf(tiny_model_dir)[1], rows, 256)[0]
+    return render_prompts(load_policy(tiny_model_dir)[1], rows, 256)[0]
 
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_groups_rewards_and_logprob_agreement(vllm_server, tiny_model_dir, test_prompts):
+    from grpo_nb.llm.policy import load_policy
     from grpo_nb.tasks import make_reward
-    from grpo_nb.tiny_model import load_hf
 
-    model, tok = load_hf(tiny_model_dir)
+    model, tok = load_policy(tiny_model_dir)
     reward = make_reward("exact")
     cfg = LLMConfig(group_size=6, max_tokens=8)
 

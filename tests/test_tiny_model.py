@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_nb import tiny_model
-from grpo_nb.tiny_model import TinyModelConfig, build_or_load, build_tokenizer, load_hf, load_meta
+from grpo_nb.llm.policy import load_policy
+from grpo_nb.tiny_model import TinyModelConfig, build_or_load, build_tokenizer, load_meta
 
 
 def test_tokenizer_is_char_level_and_matches_vocab():
@@ -58,7 +59,7 @@ def test_build_is_deterministic_and_cached(tmp_path):
 def test_warm_started_model_is_partly_right(tiny_model_dir):
     """The cached smoke model loads with transformers and solves some, not all, problems."""
     meta = load_meta(tiny_model_dir)
-    model, tok = load_hf(tiny_model_dir)
+    model, tok = load_policy(tiny_model_dir)
     assert model.config.vocab_size == len(tok) == tiny_model.VOCAB_SIZE
     assert model.config.model_type == "qwen3"
     assert 0.15 <= meta["test_accuracy"] <= 0.65, meta["test_accuracy"]

@@ -8,8 +8,7 @@ from dataclasses import replace
 import pytest
 
 from grpo_nb.metrics import MetricsRecorder
-from grpo_nb.toy.run import run_ring
-from grpo_nb.toy.sweep import predict, sweep_config, tail_sweep
+from grpo_nb.toy.run import predict, run_ring, sweep_config, tail_sweep
 from grpo_nb.toy.task import ToyConfig
 
 
@@ -62,7 +61,8 @@ def test_async_overlaps_decoding_with_training_and_sync_does_not() -> None:
         overlap[mode], stale[mode] = _train_overlap(rec.rows("busy")), result.staleness_mean
     assert stale["sync"] == 0, "sync mode with weights to all is on-policy"
     assert stale["async"] > 0, stale
-    assert overlap["sync"] < 0.2 < 0.6 < overlap["async"], overlap
+    # a quiet machine gives sync 0.0 and async about 0.9; the margins leave room for load
+    assert overlap["sync"] < 0.1 and overlap["async"] > 0.4, overlap
 
 
 def test_sweep_predicts_and_measures_both_modes() -> None:

@@ -28,7 +28,6 @@ from grpo_nb.weight_sync import (
     WeightSyncError,
 )
 from grpo_nb.weight_sync import verify as check
-from grpo_nb.weight_sync.worker import layer_key, plan_layout
 
 # ── no server needed ──
 
@@ -88,13 +87,17 @@ def test_server_settings_name_the_extension_and_backend() -> None:
     assert WeightSyncConfig(transport="reload").server_settings()["weight_transfer_config"] is None
 
 
-def test_layout_aligns_every_tensor_and_groups_by_layer() -> None:
-    offsets, total = plan_layout([torch.float32, torch.float32, torch.bfloat16],
-                                 [[3], [100], [5]])
+def test_receive_slots_are_aligned_in_one_buffer() -> None:
+    from grpo_nb.weight_sync.gloo_engine import GlooUpdateInfo
+    from grpo_nb.weight_sync.worker import GlooWeightTransferEngine
+
+    engine = GlooWeightTransferEngine.__new__(GlooWeightTransferEngine)  # no vLLM worker
+    info = GlooUpdateInfo(["a", "b", "c"], ["float32", "float32", "bfloat16"], [[3], [100], [5]])
+    slots = engine._slots(info)
     # 12 bytes → slot of 16; 400 bytes; 10 bytes → 16: every slot starts 16-byte aligned.
-    assert offsets == [0, 16, 416] and total == 432
-    assert layer_key("model.layers.3.mlp.up_proj.weight") == "model.layers.3"
-    assert layer_key("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert [s.data_ptr() - engine.buffer.data_ptr() for s in slots] == [0, 16, 416]
+    assert [s.numel() for s in slots] == [12, 400, 10] and engine.buffer.numel() == 432
+    assert engine._slots(info)[0].data_ptr() == slots[0].data_ptr()  # the buffer is kept
 
 
 def test_unreachable_server_raises_and_version_does_not_advance() -> None:
@@ -285,9 +288,9 @@ def test_gloo_group_listens_on_loopback_only() -> None:
 
 
 def _fresh_model(model_dir: Path):
-    from grpo_nb.tiny_model import load_hf
+    from grpo_nb.llm.policy import load_policy
 
-    return load_hf(model_dir)[0]
+    return load_policy(model_dir)[0]
 
 
 def _greedy(server, prompt: list[int], n: int = 3,

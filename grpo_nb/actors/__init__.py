@@ -11,32 +11,24 @@ from grpo_nb.actors._core import (
     ActorError,
     Channel,
     Future,
-    Point,
     Port,
     PortReceiver,
     ValueMesh,
     current_rank,
-    transfer,
 )
 from grpo_nb.actors._mesh import (
     Actor,
-    ActorMesh,
-    HostMesh,
-    MeshEndpoint,
-    ProcMesh,
     concurrent_endpoint,
     endpoint,
     send,
     this_host,
     this_proc,
-    unhandled_errors,
 )
 
 __all__ = [
-    "Actor", "ActorError", "ActorMesh", "Channel", "Future", "HostMesh", "MeshEndpoint", "Point",
-    "Port", "PortReceiver", "ProcMesh", "ValueMesh", "backend", "class_for", "concurrent_endpoint",
-    "current_rank", "endpoint", "monarch_available", "send", "this_host", "this_proc", "transfer",
-    "unhandled_errors",
+    "Actor", "ActorError", "Channel", "Future", "Port", "PortReceiver", "ValueMesh", "backend",
+    "class_for", "concurrent_endpoint", "current_rank", "endpoint", "monarch_available", "send",
+    "this_host", "this_proc",
 ]
 
 MONARCH_MISSING = (

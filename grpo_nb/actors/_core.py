@@ -33,10 +33,8 @@ def _copy_tensor(obj: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu":
         return None
-    data = obj.detach().clone()
-    if type(obj) is torch.nn.Parameter:
-        return torch.nn.Parameter(data, requires_grad=obj.requires_grad)
-    return data.requires_grad_(obj.requires_grad) if obj.is_leaf else data
+    data = obj.detach().clone().requires_grad_(obj.is_leaf and obj.requires_grad)
+    return torch.nn.Parameter(data, data.requires_grad) if type(obj) is torch.nn.Parameter else data
 
 
 # The C pickler first (fast); cloudpickle when something must travel by value (a class or
@@ -105,9 +103,6 @@ class Point(dict[str, int]):
                           for i, (k, n) in enumerate(extent.items())})
         self.rank, self.extent = rank, dict(extent)
 
-    def __repr__(self) -> str:
-        return f"Point({dict(self)}, rank={self.rank})"
-
 
 class ValueMesh(Generic[R]):
     """The results of ``endpoint.call()``: one value per actor, addressed by :class:`Point`."""
@@ -122,8 +117,6 @@ class ValueMesh(Generic[R]):
     def items(self) -> Iterator[tuple[Point, R]]:
         for rank, value in enumerate(self._values):
             yield Point(rank, self.extent), value
-
-    __iter__ = items
 
     def item(self, **coords: int) -> R:
         """The value at ``coords`` (none needed on a one-actor mesh)."""
@@ -170,16 +163,14 @@ class Future(Generic[R]):
         return self._ensure().__await__()
 
     def get(self, timeout: float | None = None) -> R:
-        """Block until the value is there; only from synchronous code."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return home_loop().run_until_complete(asyncio.wait_for(self._ensure(), timeout))
-        raise RuntimeError("Future.get() inside a running event loop would block it: use `await`")
+        loop = home_loop()
+        if loop.is_running():
+            raise RuntimeError("Future.get() inside a running event loop would block it: use `await`")
+        return loop.run_until_complete(asyncio.wait_for(self._ensure(), timeout))
 
 
-# Set while a module-level actor class runs as a Monarch actor (grpo_nb.actors._monarch), so
-# the runtime functions its code calls (Channel.open, current_rank, send) use Monarch's.
+# Set (by grpo_nb.actors._monarch, which imports monarch.actor) while an actor class runs on
+# Monarch: the runtime functions its code calls (Channel.open, current_rank, send) use Monarch's.
 on_monarch: contextvars.ContextVar[bool] = contextvars.ContextVar("grpo_nb_on_monarch", default=False)
 current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar("grpo_nb_actor_point", default=None)
 
@@ -187,9 +178,7 @@ current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar("gr
 def current_rank() -> Point:
     """The position of the actor handling the current message within its mesh."""
     if on_monarch.get():
-        import monarch.actor
-
-        return monarch.actor.current_rank()
+        return sys.modules["monarch.actor"].current_rank()
     point = current_point.get()
     if point is None:
         raise RuntimeError("current_rank() is only defined inside an actor endpoint")
@@ -239,9 +228,6 @@ class Port(Handle, Generic[R]):
         """Make the receiver's next ``recv()`` raise ``error`` (after earlier messages)."""
         self._put(False, transfer(error))
 
-    def __repr__(self) -> str:
-        return f"Port(once={self._once}, waiting={self._receiver.qsize()})"
-
 
 class Channel(Generic[R]):
     """``Channel.open()``: a ``Port`` (an address that any number of actors may write to) and
@@ -250,8 +236,6 @@ class Channel(Generic[R]):
     @staticmethod
     def open(once: bool = False) -> tuple[Port[R], PortReceiver[R]]:
         if on_monarch.get():  # inside an actor running on Monarch: a Monarch channel
-            import monarch.actor
-
-            return monarch.actor.Channel.open(once)
+            return sys.modules["monarch.actor"].Channel.open(once)
         receiver: PortReceiver[R] = PortReceiver()
         return Port(receiver, once=once), receiver

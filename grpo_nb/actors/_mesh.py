@@ -5,12 +5,12 @@ raised to the caller as :class:`ActorError` (or logged, for fire-and-forget mess
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import contextvars
 import inspect
 import logging
 import math
 import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,25 +28,19 @@ from grpo_nb.actors._core import (
 )
 
 log = logging.getLogger("grpo_nb.actors")
-_unhandled: list[ActorError] = []
-
-Selection = Literal["all", "choose"]
 _MESH_ATTRS = frozenset({"stop", "slice", "size", "extent", "initialized", "flatten", "split", "rename"})
 
 
-def unhandled_errors() -> list[ActorError]:
-    """Errors raised by fire-and-forget messages so far (each was also logged)."""
-    return list(_unhandled)
+class endpoint:
+    """``@endpoint``: marks an actor method as callable through meshes, one message at a time."""
 
+    concurrent = False
 
-class _EndpointDef:
-    """What ``@endpoint`` leaves on the class: the function plus how it is scheduled."""
-
-    def __init__(self, fn: Callable[..., Any], concurrent: bool) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.is_async = inspect.iscoroutinefunction(fn)
-        if concurrent and not self.is_async:
+        if self.concurrent and not self.is_async:
             raise TypeError(f"@concurrent_endpoint needs an async def, got {fn.__qualname__}")
-        self.fn, self.concurrent = fn, concurrent
+        self.fn = fn
         self.__doc__, self.__name__ = fn.__doc__, fn.__name__
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
@@ -54,15 +48,11 @@ class _EndpointDef:
         return self if obj is None else self.fn.__get__(obj, owner)
 
 
-def endpoint(fn: Callable[..., Any] | None = None, **_options: Any) -> Any:
-    """Mark an actor method as callable through meshes (``@endpoint`` or ``@endpoint(...)``)."""
-    return (lambda f: _EndpointDef(f, False)) if fn is None else _EndpointDef(fn, False)
-
-
-def concurrent_endpoint(fn: Callable[..., Any] | None = None, **_options: Any) -> Any:
-    """Like :func:`endpoint`, but each message runs as its own task, so the actor can take
+class concurrent_endpoint(endpoint):
+    """Like :class:`endpoint`, but each message runs as its own task, so the actor can take
     the next message while this one awaits. It must be ``async def``."""
-    return (lambda f: _EndpointDef(f, True)) if fn is None else _EndpointDef(fn, True)
+
+    concurrent = True
 
 
 class Actor:
@@ -70,9 +60,9 @@ class Actor:
     ``async def __cleanup__(self, exc)`` to release what the actor owns when it stops."""
 
 
-def _endpoints_of(cls: type) -> dict[str, _EndpointDef]:
+def _endpoints_of(cls: type) -> dict[str, endpoint]:
     return {name: value for klass in reversed(cls.__mro__) for name, value in vars(klass).items()
-            if isinstance(value, _EndpointDef)}
+            if isinstance(value, endpoint)}
 
 
 def _check_actor_class(cls: type) -> None:
@@ -109,23 +99,17 @@ class _Cell:
         self.stopped = False
         self.instance: Any = None
         self.init_error: BaseException | None = None
-        self.task = home_loop().create_task(self._main(args, kwargs), name=f"actor:{name}[{point.rank}]")
-
-    @contextlib.contextmanager
-    def _here(self) -> Iterator[None]:
-        """``current_rank()`` is this actor's point inside the block."""
-        token = current_point.set(self.point)
-        try:
-            yield
-        finally:
-            current_point.reset(token)
+        # The actor's tasks run in this context (those it starts copy it): current_rank() is point.
+        self.context = contextvars.copy_context()
+        self.context.run(current_point.set, point)
+        self.task = home_loop().create_task(self._main(args, kwargs), name=f"actor:{name}[{point.rank}]",
+                                            context=self.context)
 
     async def _main(self, args: tuple, kwargs: dict) -> None:
-        with self._here():
-            try:
-                self.instance = self.cls(*args, **kwargs)
-            except Exception as err:  # reported on every call, like a failed remote spawn
-                self.init_error = err
+        try:
+            self.instance = self.cls(*args, **kwargs)
+        except Exception as err:  # reported on every call, like a failed remote spawn
+            self.init_error = err
         while True:
             msg = await self.mailbox.get()
             if self.init_error is not None:
@@ -138,23 +122,21 @@ class _Cell:
                 await self._handle(msg)
 
     async def _handle(self, msg: _Message) -> None:
-        with self._here():
-            try:
-                out = getattr(self.instance, msg.method)(*msg.args, **msg.kwargs)
-                if inspect.isawaitable(out):
-                    out = await out
-            except asyncio.CancelledError:
-                self._deliver(msg, None, ActorError(asyncio.CancelledError(), f"{self.name}.{msg.method} was cancelled (actor stopped)."))
-                raise
-            except Exception as err:
-                self._deliver(msg, None, ActorError(err, f"Actor call {self.name}.{msg.method} failed."))
-            else:
-                self._deliver(msg, out, None)
+        try:
+            out = getattr(self.instance, msg.method)(*msg.args, **msg.kwargs)
+            if inspect.isawaitable(out):
+                out = await out
+        except asyncio.CancelledError:
+            self._deliver(msg, None, ActorError(asyncio.CancelledError(), f"{self.name}.{msg.method} was cancelled (actor stopped)."))
+            raise
+        except Exception as err:
+            self._deliver(msg, None, ActorError(err, f"Actor call {self.name}.{msg.method} failed."))
+        else:
+            self._deliver(msg, out, None)
 
     def _deliver(self, msg: _Message, value: Any, error: ActorError | None) -> None:
         if msg.port is None:
             if error is not None and not isinstance(error.exception, asyncio.CancelledError):
-                _unhandled.append(error)
                 log.error("unhandled error in fire-and-forget %s.%s\n%s", self.name, msg.method, error)
             return
         try:
@@ -185,7 +167,8 @@ class _Cell:
             msg = self.mailbox.get_nowait()
             self._deliver(msg, None, ActorError(RuntimeError(f"actor {self.name} stopped before handling {msg.method}")))
         if getattr(self.instance, "__cleanup__", None) is not None:  # its errors are reported
-            await self._handle(_Message("__cleanup__", (None,), {}, None))
+            cleanup = self._handle(_Message("__cleanup__", (None,), {}, None))
+            await asyncio.create_task(cleanup, context=self.context)
 
 
 def _stop_now(cells: list[_Cell]) -> Future[None]:
@@ -205,23 +188,21 @@ class MeshEndpoint(Handle):
     def __init__(self, mesh: ActorMesh, name: str) -> None:
         self._mesh, self._name = mesh, name
 
-    def _post(self, cells: list[_Cell], args: tuple, kwargs: dict, port: Port | None = None,
-              reply: bool = False) -> list[PortReceiver[Any]]:
-        """Post to each of ``cells``; ``reply``: each with a reply port (receivers returned)."""
-        receivers: list[PortReceiver[Any]] = []
+    def _post(self, cells: list[_Cell], args: tuple, kwargs: dict, port: Port | None = None) -> None:
         for cell in cells:  # each receiver gets its own copy, as each process would unpickle its own
-            if reply:
-                receivers.append(PortReceiver())
-                port = Port(receivers[-1], once=True)
             cell.post(_Message(self._name, transfer(args), transfer(kwargs), port))
-        return receivers
+
+    def _ask(self, cell: _Cell, args: tuple, kwargs: dict) -> Future[Any]:
+        receiver: PortReceiver[Any] = PortReceiver()
+        self._post([cell], args, kwargs, Port(receiver, once=True))
+        return receiver.recv()
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
         """Send to every actor; the future holds one value per actor."""
-        receivers = self._post(self._mesh._cells, args, kwargs, reply=True)
+        answers = [self._ask(cell, args, kwargs) for cell in self._mesh._cells]
 
         async def gather() -> ValueMesh[Any]:
-            return ValueMesh(list(await asyncio.gather(*(r.recv() for r in receivers))), self._mesh.extent)
+            return ValueMesh(list(await asyncio.gather(*answers)), self._mesh.extent)
 
         return Future(gather)
 
@@ -229,18 +210,19 @@ class MeshEndpoint(Handle):
         """Send to the mesh's only actor (an error on a mesh of several)."""
         if len(self._mesh._cells) != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {len(self._mesh._cells)}")
-        return self._post(self._mesh._cells, args, kwargs, reply=True)[0].recv()
+        return self._ask(self._mesh._cells[0], args, kwargs)
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Send to one actor picked at random (load balancing); the future holds its value."""
-        return self._post([random.choice(self._mesh._cells)], args, kwargs, reply=True)[0].recv()
+        return self._ask(random.choice(self._mesh._cells), args, kwargs)
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Send to every actor and do not wait; failures are logged, not returned."""
         self._post(self._mesh._cells, args, kwargs)
 
 
-def send(endpoint: MeshEndpoint, args: tuple, kwargs: dict, port: Port | None = None, selection: Selection = "all") -> None:
+def send(endpoint: MeshEndpoint, args: tuple, kwargs: dict, port: Port | None = None,
+         selection: Literal["all", "choose"] = "all") -> None:
     """Fire-and-forget to every actor (``"all"``) or one at random (``"choose"``); with ``port``,
     each result (or error) is sent there. A Monarch endpoint goes to Monarch's send."""
     if not isinstance(endpoint, MeshEndpoint):
@@ -267,10 +249,6 @@ class ActorMesh(Handle):
             raise AttributeError(f"{self._class.__name__} has no endpoint {name!r}")
         return MeshEndpoint(self, name)
 
-    @property
-    def size(self) -> int:
-        return len(self._cells)
-
     def slice(self, **coords: int) -> ActorMesh:
         """The sub-mesh at the given coordinates, e.g. ``mesh.slice(gpus=0)`` (one actor)."""
         if unknown := set(coords) - set(self.extent):
@@ -292,23 +270,18 @@ class ProcMesh(Handle):
 
     def __init__(self, extent: Mapping[str, int]) -> None:
         self.extent = dict(extent)
-        self._meshes: list[ActorMesh] = []
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.extent.values())
+        self._cells: list[_Cell] = []  # of every mesh spawned here
 
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """One ``cls`` actor per process; each constructor gets its own copy of the arguments."""
         _check_actor_class(cls)
         cells = [_Cell(cls, name, Point(rank, self.extent), transfer(args), transfer(kwargs))
-                 for rank in range(self.size)]
-        mesh = ActorMesh(name, cls, cells, self.extent)
-        self._meshes.append(mesh)
-        return mesh
+                 for rank in range(math.prod(self.extent.values()))]
+        self._cells += cells
+        return ActorMesh(name, cls, cells, self.extent)
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
-        return _stop_now([c for m in self._meshes for c in m._cells])
+        return _stop_now(list(self._cells))
 
 
 class HostMesh:

@@ -5,30 +5,31 @@ as an attribute of this module that ``__getattr__`` (PEP 562) rebuilds in any pr
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import monarch.actor as monarch
 
 from grpo_nb.actors._core import on_monarch
-from grpo_nb.actors._mesh import Actor, _endpoints_of
+from grpo_nb.actors._mesh import _endpoints_of
 
 _SEP = "__"  # module dots become this in the attribute name; no grpo_nb module name has it
-_built: dict[str, type] = {}
+_built: dict[type, type] = {}
 
 
-# The wrappers reach the flag through module-level functions only: a class sent by value
+# The wrappers reach the flag through a module-level function only: a class sent by value
 # (cloudpickle) takes its wrappers' globals along, and a ContextVar does not pickle.
-def _enter() -> contextvars.Token:
-    return on_monarch.set(True)
-
-
-def _leave(token: contextvars.Token) -> None:
-    on_monarch.reset(token)
+@contextlib.contextmanager
+def _flagged() -> Iterator[None]:
+    token = on_monarch.set(True)
+    try:
+        yield
+    finally:
+        on_monarch.reset(token)
 
 
 def _in_monarch(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -37,26 +38,29 @@ def _in_monarch(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(fn)
         async def run_async(*args: Any, **kwargs: Any) -> Any:
-            token = _enter()
-            try:
+            with _flagged():
                 return await fn(*args, **kwargs)
-            finally:
-                _leave(token)
 
         return run_async
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        token = _enter()
-        try:
+        with _flagged():
             return fn(*args, **kwargs)
-        finally:
-            _leave(token)
 
     return run
 
 
-def _build(cls: type, module: str, qualname: str) -> type:
+def on_monarch_class(cls: type) -> type:
+    """The Monarch actor class for ``cls`` (one defined in a notebook or function travels by
+    value, through cloudpickle)."""
+    if cls in _built:
+        return _built[cls]
+    if cls.__module__ == "__main__" or "." in cls.__qualname__:
+        # a qualname that cannot be looked up: cloudpickle sends the class by value
+        module, qualname = cls.__module__, f"{cls.__qualname__}.<locals>.on_monarch"
+    else:  # published here by name (see __getattr__), for pickle to find in any process
+        module, qualname = __name__, cls.__module__.replace(".", _SEP) + _SEP + cls.__qualname__
     namespace: dict[str, Any] = {"__module__": module, "__qualname__": qualname,
                                  "__doc__": cls.__doc__, "__init__": _in_monarch(cls.__init__)}
     for attr, ep in _endpoints_of(cls).items():
@@ -64,28 +68,12 @@ def _build(cls: type, module: str, qualname: str) -> type:
         namespace[attr] = decorator(_in_monarch(ep.fn))
     if (cleanup := getattr(cls, "__cleanup__", None)) is not None:
         namespace["__cleanup__"] = _in_monarch(cleanup)
-    return type(cls.__name__, (cls, monarch.Actor), namespace)
-
-
-def on_monarch_class(cls: type) -> type:
-    """The Monarch actor class for ``cls`` (one defined in a notebook or function travels by
-    value, through cloudpickle)."""
-    if cls.__module__ == "__main__" or "." in cls.__qualname__:
-        key = f"{cls.__module__}:{cls.__qualname__}:{id(cls)}"
-        if key not in _built:  # a qualname that cannot be looked up: cloudpickle sends it by value
-            _built[key] = _build(cls, cls.__module__, f"{cls.__qualname__}.<locals>.on_monarch")
-        return _built[key]
-    name = cls.__module__.replace(".", _SEP) + _SEP + cls.__qualname__
-    if name not in _built:
-        _built[name] = _build(cls, __name__, name)
-    return _built[name]
+    _built[cls] = type(cls.__name__, (cls, monarch.Actor), namespace)
+    return _built[cls]
 
 
 def __getattr__(name: str) -> type:
-    module, sep, qualname = name.rpartition(_SEP)
-    if name.startswith("_") or not sep or not module:  # dunders are Python asking, not pickle
+    module, _, qualname = name.rpartition(_SEP)
+    if name.startswith("_") or not module:  # dunders are Python asking, not pickle
         raise AttributeError(name)
-    cls = getattr(importlib.import_module(module.replace(_SEP, ".")), qualname)
-    if not (isinstance(cls, type) and issubclass(cls, Actor)):
-        raise AttributeError(name)
-    return on_monarch_class(cls)
+    return on_monarch_class(getattr(importlib.import_module(module.replace(_SEP, ".")), qualname))

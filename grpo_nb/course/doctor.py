@@ -12,6 +12,7 @@ import platform
 import sys
 from dataclasses import dataclass, field
 
+from grpo_nb import partition
 from grpo_nb.config import cache_dir, runs_dir, smoke_mode
 
 # How to install a missing distribution, as a command a user can paste (else FIX_CORE).
@@ -58,7 +59,6 @@ class Report:
     versions: dict[str, str | None]
     device: str
     free_gib: float
-    folders: dict[str, str]
     verdicts: dict[str, list[str]] = field(default_factory=dict)  # notebook -> problems
 
     def __repr__(self) -> str:
@@ -72,10 +72,7 @@ class Report:
     def problems(self, notebook: str | None = None) -> list[str]:
         """One notebook's problems, or every required notebook's."""
         keys = [notebook] if notebook else [k for k, n in NOTEBOOK_NEEDS.items() if not n.optional]
-        out: list[str] = []
-        for key in keys:
-            out += [p for p in self.verdicts.get(key, []) if p not in out]
-        return out
+        return list(dict.fromkeys(p for key in keys for p in self.verdicts[key]))
 
 
 def _device() -> str:
@@ -95,9 +92,7 @@ def diagnose() -> Report:
 
     dists = dict.fromkeys(p for needs in NOTEBOOK_NEEDS.values() for p in needs.packages)
     versions = {"python": platform.python_version(), **{d: _version(d) for d in dists}}
-    folders = {"project cache": str(cache_dir()), "runs": str(runs_dir()),
-               "vLLM compile cache": os.environ.get("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))}
-    report = Report(versions, _device(), psutil.virtual_memory().available / 2**30, folders)
+    report = Report(versions, _device(), psutil.virtual_memory().available / 2**30)
     # pip drags PyPI's CUDA torchvision in next to a CPU torch; transformers then fails.
     vision = _version("torchvision") or ""
     torchvision_clash = "+cpu" in (versions["torch"] or "") and bool(vision) and "+cpu" not in vision
@@ -122,8 +117,7 @@ def check(notebook: str) -> None:
     line = " · ".join(f"{p} {report.versions[p] or 'MISSING'}" for p in ("python", *needs.packages))
     print(f"[doctor {notebook}] {line} · {report.device} · {report.free_gib:.1f} GiB free · "
           f"{'smoke' if smoke_mode() else 'full'} mode")
-    problems = report.verdicts[notebook]
-    if problems:
+    if problems := report.verdicts[notebook]:
         raise RuntimeError(f"notebook {notebook} ({needs.title}) cannot run: {problems[0]}")
 
 
@@ -132,9 +126,9 @@ def format_report(report: Report) -> str:
     lines += [f"  {name:<14} {ver or 'not installed'}" for name, ver in report.versions.items()]
     lines += ["", f"  device         {report.device}", f"  free memory    {report.free_gib:.1f} GiB",
               f"  smoke mode     {smoke_mode()}"]
-    lines += [f"  {name:<14} {path}" for name, path in report.folders.items()]
-    from grpo_nb import partition
-
+    folders = {"project cache": cache_dir(), "runs": runs_dir(),
+               "vLLM compile cache": os.environ.get("VLLM_CACHE_ROOT", cache_dir() / "vllm")}
+    lines += [f"  {name:<14} {path}" for name, path in folders.items()]
     try:
         lines += [f"  cpu partition  {partition.plan().describe()}", ""]
     except ValueError as err:  # a bad GRPO_NB_SERVER_CPUS: say so, the doctor still runs
@@ -174,8 +168,7 @@ def cli(argv: list[str]) -> int:
     report = diagnose()
     print(format_report(report))
     print(orphan_section(args.reap))
-    problems = report.problems(args.notebook)
-    if problems:
+    if problems := report.problems(args.notebook):
         print(f"\nnot ready: {problems[0]}", file=sys.stderr)
         return 1
     print("\nready.")

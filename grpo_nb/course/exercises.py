@@ -17,13 +17,9 @@ SOLUTIONS = Path("solutions")
 Problems = list[str]
 
 
-def solution_path(exercise: str, folder: Path | None = None) -> Path:
-    return (folder or SOLUTIONS) / f"{exercise}.py"
-
-
-def load_solution(exercise: str, namespace: dict[str, Any], folder: Path | None = None) -> None:
+def load_solution(exercise: str, namespace: dict[str, Any], folder: Path = SOLUTIONS) -> None:
     """Execute ``solutions/<exercise>.py`` in ``namespace`` (the notebook's globals)."""
-    path = solution_path(exercise, folder)
+    path = folder / f"{exercise}.py"
     exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), namespace)
 
 
@@ -32,12 +28,11 @@ def check(
     checker: Callable[[Any], Problems | Awaitable[Problems]],
     namespace: dict[str, Any],
     answer: str,
-    folder: Path | None = None,
 ) -> Coroutine[Any, Any, None] | None:
     """Run ``checker(namespace[answer])``, print ✓ or ✗; an async checker gives an awaitable."""
     strict = env_flag("GRPO_NB_SOLUTIONS")  # CI: run the shipped solution, and enforce it
     if strict:
-        load_solution(exercise, namespace, folder)
+        load_solution(exercise, namespace)
     if answer not in namespace:
         return _report(exercise, [f"`{answer}` is not defined: run the exercise cell"], strict)
     try:
@@ -68,9 +63,10 @@ def _report(exercise: str, problems: Problems, strict: bool) -> None:
     if not problems:
         print(f"✓ {exercise}: correct" + (" (the shipped solution)" if strict else ""))
         return
+    path = SOLUTIONS / f"{exercise}.py"
     shown = "\n".join(f"  - {p}" for p in problems[:5])
     more = f"\n  … and {len(problems) - 5} more" if len(problems) > 5 else ""
     if strict:
-        raise AssertionError(f"{solution_path(exercise)} fails its checker:\n{shown}{more}")
+        raise AssertionError(f"{path} fails its checker:\n{shown}{more}")
     print(f"✗ {exercise}: not yet\n{shown}{more}\n"
-          f"  Stuck? `%load {solution_path(exercise)}` in a new cell loads the solution.")
+          f"  Stuck? `%load {path}` in a new cell loads the solution.")

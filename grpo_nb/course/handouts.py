@@ -1,6 +1,8 @@
 """Workshop handouts: student copies, executed HTML pages with an index, and an optional PDF.
 Notebooks tag cells ``exercise`` / ``solution`` (paired in order) and state their runtime in the
-opening markdown, e.g. ``**Time:** smoke ~1 min · full ~5 min``.
+opening markdown, e.g. ``**Time:** smoke ~1 min · full ~5 min``. Pages load Debian's MathJax
+copied beside them (offline); Debian's Chromium prints the PDF through Playwright (nbconvert's
+``WebPDFExporter`` would download a browser).
 """
 
 from __future__ import annotations
@@ -8,26 +10,19 @@ from __future__ import annotations
 import argparse
 import copy
 import html
+import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nbformat
 from nbformat import NotebookNode
 
 from grpo_nb.config import repo_root
-from grpo_nb.course.handouts_render import (
-    execute,
-    flatten_widgets,
-    print_pdf,
-    render_html,
-    ship_mathjax,
-)
 
-SOLUTION_TAG = "solution"
 PDF_NAME = "grpo-notebooks.pdf"
 _DURATION = (
     r"(?P<value>(?:about\s+|[~≈<>]\s*)?\d[\d.,]*(?:\s*[–-]\s*\d[\d.,]*)?"
@@ -38,6 +33,20 @@ _MODE_THEN_TIME = re.compile(r"\b(?P<mode>smoke|full)(?:\s+mode)?\s*:?\s*" + _DU
 # "about 45 s in smoke mode", "15 s to run in smoke mode"
 _TIME_THEN_MODE = re.compile(_DURATION + r"\s+(?:to\s+run\s+)?in\s+(?P<mode>smoke|full)\b", re.I)
 _NOTEBOOK_NAME = re.compile(r"^\d\d_.+\.ipynb$")
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+FROM_WIDGET = "grpo_nb_from_widget"  # output metadata flag: this output was inside a widget
+MATHJAX_DIR = Path("/usr/share/javascript/mathjax")  # Debian's libjs-mathjax
+MATHJAX_CONFIG = "TeX-AMS_CHTML-full,Safe"  # nbconvert's own choice for its CDN copy
+# What MATHJAX_CONFIG loads in a browser (TeX in, CommonHTML out, its web fonts)
+MATHJAX_PARTS = ("MathJax.js", "config/TeX-AMS_CHTML-full.js", "config/Safe.js", "extensions",
+                 "jax/input/TeX", "jax/output/CommonHTML", "jax/element",
+                 "fonts/HTML-CSS/TeX/woff", "localization/en")
+# Offline: background networking, component updates and sync would stall page loads; root in a
+# container: Chromium's sandbox cannot start.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
 
 
 @dataclass(frozen=True)
@@ -101,22 +110,12 @@ def parse_runtime(nb: NotebookNode) -> Runtime | None:
         parts: dict[str, str] = {}
         for pattern in (_MODE_THEN_TIME, _TIME_THEN_MODE):
             for m in pattern.finditer(text):
-                parts.setdefault(m["mode"].lower(), _tidy_duration(m["value"]))
+                value = re.sub(r"^(?:about\s+|[~≈]\s*)", "~", " ".join(m["value"].split()))
+                value = re.sub(r"\bminutes?\b", "min", re.sub(r"\bseconds?\b", "s", value))
+                parts.setdefault(m["mode"].lower(), value)
         if "smoke" in parts and "full" in parts:
             return Runtime(smoke=parts["smoke"], full=parts["full"])
     return None
-
-
-def _tidy_duration(text: str) -> str:
-    text = re.sub(r"^(?:about\s+|[~≈]\s*)", "~", " ".join(text.split()))
-    return re.sub(r"\bminutes?\b", "min", re.sub(r"\bseconds?\b", "s", text))
-
-
-def notebook_title(nb: NotebookNode, fallback: str) -> str:
-    """The first markdown heading, which every course notebook opens with."""
-    headings = (line.lstrip("#").strip() for cell in nb.cells if cell.cell_type == "markdown"
-                for line in cell.source.splitlines() if line.startswith("#"))
-    return next(headings, fallback)
 
 
 def student_copy(nb: NotebookNode) -> NotebookNode:
@@ -129,22 +128,18 @@ def student_copy(nb: NotebookNode) -> NotebookNode:
     return out
 
 
-def index_html(pages: list[PageResult], cfg: HandoutConfig, out: Path) -> str:
+def index_html(pages: list[PageResult], cfg: HandoutConfig) -> str:
     """The index: notebooks in order, with links, stated runtimes and this build's outcome."""
     mode = "full" if cfg.full else "smoke (GRPO_NB_SMOKE=1)"
     rows = []
     for p in pages:
-
-        def link(key: str, p: PageResult = p) -> str:
-            if key not in p.files:
-                return "—"
-            return f'<a href="{html.escape(p.files[key].relative_to(out).as_posix())}">{key}</a>'
-
+        links = " · ".join(f'<a href="{html.escape(f.relative_to(cfg.out).as_posix())}">{key}</a>'
+                           for key, f in p.files.items())
         stated = f"smoke {p.runtime.smoke} · full {p.runtime.full}" if p.runtime else "not stated"
         status = "ok" if p.error is None else f"FAILED: {html.escape(p.error)}"
         rows.append(
             f"<tr><td>{html.escape(p.name[:2])}</td><td>{html.escape(p.title)}</td>"
-            f"<td>{link('page')} · {link('notebook')}</td><td>{html.escape(stated)}</td>"
+            f"<td>{links}</td><td>{html.escape(stated)}</td>"
             f"<td>{p.seconds:.0f} s</td><td>{status}</td></tr>"
         )
     extra = f' · <a href="{PDF_NAME}">all pages as one PDF</a>' if cfg.pdf else ""
@@ -171,15 +166,17 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
         if not _NOTEBOOK_NAME.match(path.name) or (cfg.only and path.name[:2] not in cfg.only):
             continue
         nb = nbformat.read(path, as_version=4)
-        page = PageResult(path.name, notebook_title(nb, path.stem), parse_runtime(nb))
+        # the title: the first markdown heading, which every course notebook opens with
+        headings = (line.lstrip("#").strip() for cell in nb.cells if cell.cell_type == "markdown"
+                    for line in cell.source.splitlines() if line.startswith("#"))
+        files = {"page": html_dir / f"{path.stem}.html", "notebook": student_dir / path.name}
+        page = PageResult(path.name, next(headings, path.stem), parse_runtime(nb), files=files)
         pages.append(page)
-        page.files["notebook"] = student_dir / path.name
-        nbformat.write(student_copy(nb), page.files["notebook"])
+        nbformat.write(student_copy(nb), files["notebook"])
         print(f"[handouts] running {path.name} ({'full' if cfg.full else 'smoke'}) …", flush=True)
-        page.error, page.seconds = execute(nb, path.parent, cfg.full, cfg.cell_timeout_s or 600)
+        page.error, page.seconds = execute(nb, path.parent, cfg.full, cfg.cell_timeout_s)
         page.shown = flatten_widgets(nb if cfg.solutions else _without_solutions(nb))
-        page.files["page"] = html_dir / f"{path.stem}.html"
-        page.files["page"].write_text(render_html(page.shown, mathjax), encoding="utf-8")
+        files["page"].write_text(render_html(page.shown, mathjax), encoding="utf-8")
         print(f"[handouts]   {page.seconds:.0f} s, {page.error or 'ok'}", flush=True)
     if cfg.pdf and pages:
         combined = html_dir / "all-pages.html"  # next to the MathJax copy its URL names
@@ -187,13 +184,13 @@ def build(cfg: HandoutConfig) -> list[PageResult]:
         combined.write_text(render_html(shown, mathjax, template="webpdf"), encoding="utf-8")
         print_pdf(combined, cfg.out / PDF_NAME)
         combined.unlink()
-    (cfg.out / "index.html").write_text(index_html(pages, cfg, cfg.out), encoding="utf-8")
+    (cfg.out / "index.html").write_text(index_html(pages, cfg), encoding="utf-8")
     return pages
 
 
 def _without_solutions(nb: NotebookNode) -> NotebookNode:
     out = copy.deepcopy(nb)
-    out.cells = [c for c in out.cells if SOLUTION_TAG not in cell_tags(c)]
+    out.cells = [c for c in out.cells if "solution" not in cell_tags(c)]
     return out
 
 
@@ -208,6 +205,133 @@ def _combine(notebooks: list[NotebookNode]) -> NotebookNode:
     for i, cell in enumerate(combined.cells):  # ids must stay unique across notebooks
         cell["id"] = f"cell-{i}"
     return combined
+
+
+def execute(nb: NotebookNode, cwd: Path, full: bool, timeout_s: int) -> tuple[str | None, float]:
+    """Run ``nb`` in place in its folder; ``(error or None, seconds)`` (outputs kept on failure)."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from nbconvert.filters import strip_ansi
+
+    client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
+                            resources={"metadata": {"path": str(cwd)}})
+    start = time.monotonic()
+    try:
+        client.execute(env=dict(os.environ, GRPO_NB_SMOKE="0" if full else "1"))
+        error = None
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:
+        last_line = strip_ansi(str(exc)).strip().splitlines()[-1]
+        error = f"{type(exc).__name__}: {last_line[:300]}"
+    return error, time.monotonic() - start
+
+
+def _leaf_html(name: str, st: dict[str, Any]) -> str:
+    """A control as static HTML: its text, a progress bar, or ``[label: value]``."""
+    if name in {"HTMLModel", "HTMLMathModel", "LabelModel"}:
+        return str(st.get("value", ""))
+    if name in {"FloatProgressModel", "IntProgressModel"}:
+        return f'<progress value="{st.get("value", 0)}" max="{st.get("max", 100)}"></progress>'
+    label = st.get("description") or name.removesuffix("Model")
+    return html.escape(f"[{label}: {st['value']}]" if "value" in st else f"[{label}]")
+
+
+def _widget_outputs(model_id: str, state: dict[str, Any], depth: int = 0) -> list[dict[str, Any]]:
+    """Static outputs standing in for one widget view (recursing into boxes and Output)."""
+    model = state.get(model_id)
+    if model is None or depth > 20:
+        return []
+    name, st = model.get("model_name", ""), model.get("state", {})
+    if name == "OutputModel":
+        return _flatten_outputs(st.get("outputs", []), state, depth + 1)
+    if "children" not in st:
+        return [nbformat.v4.new_output("display_data", data={"text/html": _leaf_html(name, st)})]
+    children = [state.get(str(c).removeprefix("IPY_MODEL_"), {}) for c in st["children"]]
+    leaves = all("children" not in c.get("state", {}) and c.get("model_name") != "OutputModel"
+                 for c in children)
+    if name == "HBoxModel" and leaves:
+        # a row of controls, such as tqdm's bar: one line, as in JupyterLab
+        row = " ".join(_leaf_html(c.get("model_name", ""), c.get("state", {})) for c in children)
+        html_row = f'<div style="display:flex;gap:.6em;align-items:center">{row}</div>'
+        return [nbformat.v4.new_output("display_data", data={"text/html": html_row})]
+    return [out for child in st["children"]  # VBox, interact's container: each child in turn
+            for out in _widget_outputs(str(child).removeprefix("IPY_MODEL_"), state, depth + 1)]
+
+
+def _flatten_outputs(outputs: list[Any], state: dict[str, Any], depth: int) -> list[Any]:
+    flat = []
+    for out in outputs:
+        view = out.get("data", {}).get(WIDGET_VIEW)
+        if view is None:
+            flat.append(out)
+            continue
+        for inner in _widget_outputs(view.get("model_id", ""), state, depth):
+            if "metadata" in inner:  # stream outputs have no metadata in the schema
+                inner = {**inner, "metadata": {**inner["metadata"], FROM_WIDGET: True}}
+            flat.append(inner)
+    return flat
+
+
+def flatten_widgets(nb: NotebookNode) -> NotebookNode:
+    """Replace widget views by the outputs they showed (no widget manager from a CDN needed)."""
+    out = copy.deepcopy(nb)
+    state = out.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    for cell in out.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.from_dict(o) for o in _flatten_outputs(cell.outputs, state, 0)]
+    out.metadata.pop("widgets", None)
+    return out
+
+
+def ship_mathjax(dest: Path) -> str:
+    """Copy MathJax's browser files into ``dest``; the relative URL pages load it by."""
+    if not (MATHJAX_DIR / "MathJax.js").is_file():
+        raise FileNotFoundError(f"no MathJax at {MATHJAX_DIR}: apt-get install libjs-mathjax "
+                                "(make system-deps does it)")
+    shutil.rmtree(dest, ignore_errors=True)
+    for part in MATHJAX_PARTS:
+        src, out = MATHJAX_DIR / part, dest / part
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, out, symlinks=False)  # Debian links fonts from other packages
+        else:
+            shutil.copyfile(src, out)
+    return f"{dest.name}/MathJax.js?config={MATHJAX_CONFIG}"
+
+
+def render_html(nb: NotebookNode, mathjax_url: str, template: str = "lab") -> str:
+    """One self-contained page loading MathJax from ``mathjax_url``."""
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(template_name=template, embed_images=True, mathjax_url=mathjax_url)
+    return exporter.from_notebook_node(nb)[0]
+
+
+def chromium_executable() -> str:
+    """Debian's Chromium (``GRPO_NB_CHROMIUM`` overrides); Playwright's own is never used."""
+    path = os.environ.get("GRPO_NB_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no Chromium at {path}: apt-get install chromium (make test does)")
+    return path
+
+
+def print_pdf(html_path: Path, pdf_path: Path) -> None:
+    """Print an HTML file to PDF with the system Chromium, once MathJax has typeset it."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw, pw.chromium.launch(executable_path=chromium_executable(),
+                                                     args=CHROMIUM_ARGS) as browser:
+        page = browser.new_page()
+        page.emulate_media(media="print")
+        # "load", not "networkidle": scripts from a CDN may never answer offline.
+        page.goto(html_path.resolve().as_uri(), wait_until="load", timeout=120_000)
+        try:
+            page.wait_for_function("() => window.MathJax && window.MathJax.Hub", timeout=5_000)
+            page.evaluate("() => new Promise(done => window.MathJax.Hub.Queue(done))")
+            page.wait_for_timeout(300)
+        except PlaywrightTimeout:
+            pass  # no MathJax: formulas stay as TeX source, still readable
+        page.pdf(path=str(pdf_path), print_background=True, format="A4")
 
 
 def cli(argv: list[str]) -> int:
@@ -231,7 +355,3 @@ def cli(argv: list[str]) -> int:
     print(f"[handouts] {len(pages)} notebooks in {time.monotonic() - start:.0f} s → "
           f"{cfg.out / 'index.html'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed or not pages else 0
-
-
-if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))

@@ -12,18 +12,16 @@ from typing import Any
 
 import torch
 
-from grpo_nb import grpo, tasks
+from grpo_nb import tasks
 from grpo_nb.actors import endpoint
 from grpo_nb.llm import placement
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, RingSpec
 from grpo_nb.llm.policy import PolicyTrainer, completion_logprobs, load_policy
-from grpo_nb.llm.rollouts import greedy_accuracy, reward_group, sample_group
+from grpo_nb.llm.rollouts import greedy_accuracy, sample_group, score_group
 from grpo_nb.ring import Relay, RingError, Sink, Source, cancel_task
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient, policy_salt
 from grpo_nb.weight_sync import WeightSyncer
-
-__all__ = ["Generator", "Reference", "Scorer", "Trainer", "admit"]
 
 
 def admit(step: int, group_version: int, max_staleness: int) -> bool:
@@ -76,7 +74,16 @@ class Generator(Source):
                                            source=self.name, on_abort=self._aborted)
                 break
             except CompletionError as err:
-                self._failed(err, client)
+                self.failed += 1
+                self.report("request_failed", actor=self.name, total=self.failed,
+                            status=err.status, error=str(err)[:300])
+                if self.failed > self.cfg.error_budget:
+                    s = client.stats
+                    raise RingError(
+                        f"{self.name}: {self.failed} failed requests (> LLMConfig.error_budget="
+                        f"{self.cfg.error_budget}); last: {err} [client counts: 4xx={s.http_4xx}"
+                        f" 5xx={s.http_5xx} timeouts={s.timeouts} connection="
+                        f"{s.connection_errors}]") from err
                 await asyncio.sleep(0.2)  # a struggling server: do not hammer it
         self.out.send(group)
         self.busy.add("generate", start)
@@ -85,38 +92,22 @@ class Generator(Source):
         self.aborted += 1
         self.report("aborted", actor=self.name, total=self.aborted)
 
-    def _failed(self, err: CompletionError, client: CompletionsClient) -> None:
-        self.failed += 1
-        self.report("request_failed", actor=self.name, total=self.failed, status=err.status,
-                    error=str(err)[:300])
-        if self.failed > self.cfg.error_budget:
-            s = client.stats
-            raise RingError(
-                f"{self.name}: {self.failed} failed requests (> LLMConfig.error_budget="
-                f"{self.cfg.error_budget}); last: {err} [client counts: 4xx={s.http_4xx} "
-                f"5xx={s.http_5xx} timeouts={s.timeouts} connection={s.connection_errors}]"
-            ) from err
-
 
 class Scorer(Relay):
     """Rewards every completion with ``cfg.reward``, then sets the group's advantages."""
 
     name, label, sender = "scorer", "score", "the generators"
+    timeout_field = "LLMConfig.finish_timeout_s"
 
     def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
         self.cfg = cfg
         self.upstream = cfg.generators  # each generator ends with one None
+        self.finish_timeout_s = cfg.finish_timeout_s  # bounds the wait for the last ones
         self.reward = tasks.make_reward(cfg.reward, default=spec.reward_default)
-        self.attach(metrics)
-        self.open_inlet()
+        self.open_inlet(metrics)
 
     async def process(self, group: Group) -> Group:
-        reward_group(group, self.reward)
-        adv = grpo.group_advantages(torch.tensor(group.rewards), self.cfg.group_size,
-                                    scale=self.cfg.adv_scale)
-        for r, a in zip(group.rollouts, adv.tolist(), strict=True):
-            r.advantage = a
-        return group
+        return score_group(group, self.reward, self.cfg.adv_scale)
 
 
 class Reference(Relay):
@@ -126,8 +117,7 @@ class Reference(Relay):
 
     def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
         self.cfg = cfg
-        self.attach(metrics)
-        self.open_inlet()
+        self.open_inlet(metrics)
         self.model = None
         if cfg.kl_coef > 0:  # the reference model costs memory and time: only if used
             self.model, _ = load_policy(spec.model_dir, placement.trainer_device(cfg),
@@ -154,8 +144,7 @@ class Trainer(Sink):
     def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
         self.cfg, self.spec = cfg, spec
         self.finish_timeout_s = cfg.finish_timeout_s
-        self.attach(metrics)
-        self.open_inlet()
+        self.open_inlet(metrics)
         # Process-wide settings belong to the trainer's process (its own one on Monarch).
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.trainer_threads)
@@ -226,7 +215,7 @@ class Trainer(Sink):
 
     async def _collect(self, generators: Any) -> list[Group] | None:
         """One step's admitted groups, or ``None`` once a stop or the time budget comes; a receive
-        then pending stays in ``next_msg`` for :meth:`_drain` (cancelling it could lose a group)."""
+        then pending stays in ``next_msg`` for :meth:`_finish` (cancelling it could lose a group)."""
         groups: list[Group] = []
         while len(groups) < self.cfg.prompts_per_step:
             left = None if self.deadline is None else self.deadline - time.time()
@@ -289,8 +278,11 @@ class Trainer(Sink):
                          {"dropped": self.dropped, "received": self.received})
 
     async def _finish(self, generators: Any) -> None:
-        try:
-            leftover = await self._drain(generators)
+        try:  # drain the generators, read to the end of the stream: groups left unused
+            await self.drain_sources(generators, self.cfg.generators)
+            pending, self.next_msg = self.next_msg, None
+            first = await self.recv_within("the end of the stream", pending)
+            leftover = 0 if first is None else 1 + await self.discard_queued()
         except RingError:
             await asyncio.to_thread(self._checkpoint)  # a dead peer must not cost the steps
             raise
@@ -302,13 +294,6 @@ class Trainer(Sink):
         self.busy.flush()  # before "exited": the controller stops listening then
         self.report("exited", actor=self.name, dropped=self.dropped, leftover=leftover,
                     steps=self.pt.step_count)
-
-    async def _drain(self, generators: Any) -> int:
-        """Drain the generators, read to the end of the stream; how many groups were left unused."""
-        await self.drain_sources(generators, self.cfg.generators)
-        pending, self.next_msg = self.next_msg, None
-        first = await self.recv_within("the end of the stream", pending)
-        return 0 if first is None else 1 + await self.discard_queued()
 
     async def __cleanup__(self, exc: Any) -> None:
         await super().__cleanup__(exc)

@@ -1,5 +1,7 @@
-"""``python -m grpo_nb train``: a headless LLM GRPO run (progress bar, dashboard PNG, JSON
-summary last); ``--set FIELD=VALUE`` takes any LLMConfig field, read by the field's type."""
+"""The LLM commands: ``python -m grpo_nb train``, a headless GRPO run (progress bar, dashboard PNG,
+JSON summary last), and ``python -m grpo_nb rollouts``, scored groups sampled as the ring samples
+them. Both read their options into an LLMConfig one way: a flag whose ``dest`` is a field sets it,
+and ``--set FIELD=VALUE`` takes any field, read by the field's type."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import sys
+import time
 import typing
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -19,6 +22,8 @@ from grpo_nb.config import preset, smoke_mode
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.weight_sync import WeightSyncConfig
+
+_FIELDS = {f.name for f in fields(LLMConfig)}
 
 
 def _convert(cls: type, name: str, raw: str) -> Any:
@@ -41,65 +46,74 @@ def _convert(cls: type, name: str, raw: str) -> Any:
         raise ValueError(f"--set {name}={raw!r}: {cls.__name__}.{name} expects {shown}") from None
 
 
-def apply_sets(cfg: LLMConfig, assignments: list[str]) -> LLMConfig:
-    """``cfg`` with ``FIELD=VALUE`` (or ``sync.FIELD=VALUE``) assignments, validated."""
-    changes: dict[str, Any] = {}
-    sync: dict[str, Any] = {}
+def apply_sets(cfg: LLMConfig, assignments: list[str],
+               values: dict[str, Any] | None = None) -> LLMConfig:
+    """``cfg`` with ``values`` and then ``FIELD=VALUE`` assignments, both by field name
+    (``sync.FIELD``: the weight sync's), validated."""
+    values = dict(values or {})
     for item in assignments:
         name, eq, raw = item.partition("=")
         name = name.strip().replace("-", "_")
-        if not eq or not name:
-            raise ValueError(f"--set {item!r}: write FIELD=VALUE")
-        if name.startswith("sync."):
-            sync[name[5:]] = _convert(WeightSyncConfig, name[5:], raw)
-        elif name == "sync":
-            raise ValueError("--set sync=…: set its fields, e.g. --set sync.transport=reload")
-        else:
-            changes[name] = _convert(LLMConfig, name, raw)
+        if not eq or name in ("", "sync"):
+            raise ValueError(f"--set {item!r}: write FIELD=VALUE or sync.FIELD=VALUE")
+        field = name.removeprefix("sync.")
+        values[name] = _convert(LLMConfig if field == name else WeightSyncConfig, field, raw)
+    sync = {k.removeprefix("sync."): values.pop(k) for k in list(values) if k.startswith("sync.")}
     if sync:
-        changes["sync"] = WeightSyncConfig(**{**asdict(cfg.sync), **sync})
-    return cfg.replace(**changes)
+        values["sync"] = WeightSyncConfig(**{**asdict(cfg.sync), **sync})
+    return cfg.replace(**values)
+
+
+def _parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The options both commands take; a command adds its own (see :func:`_configure`)."""
+    p = argparse.ArgumentParser(prog=f"python -m grpo_nb {command}", description=description)
+    p.add_argument("--smoke", action="store_true", help="small CI preset (or GRPO_NB_SMOKE=1)")
+    p.add_argument("--model", help="model folder or hub id (default: the tiny character "
+                   "model, built if needed)")
+    p.add_argument("--dataset", help="'arithmetic[:…]', a hub name such as openai/gsm8k, "
+                   "or a .json/.jsonl/.parquet file or folder (GSM8K or messages format)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any LLMConfig field (repeatable), e.g. --set lr=1e-5")
+    return p
+
+
+def _configure(parser: argparse.ArgumentParser, args: argparse.Namespace,
+               cfg: LLMConfig) -> LLMConfig:
+    """``cfg`` with each flag given whose ``dest`` is a field (or ``sync.FIELD``), then the
+    ``--set`` ones; a bad value exits with the usage."""
+    flags = {k: v for k, v in vars(args).items()
+             if v is not None and (k in _FIELDS or k.startswith("sync."))}
+    try:
+        return apply_sets(cfg, args.set, flags)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def parse_config(argv: list[str]) -> tuple[argparse.Namespace, LLMConfig, bool]:
-    """The command line's options, the config they describe, and whether smoke mode is on."""
-    parser = argparse.ArgumentParser(
-        prog="python -m grpo_nb train",
-        description="Asynchronous (or synchronous) GRPO on a Qwen-family model served by vLLM.")
-    parser.add_argument("--smoke", action="store_true", help="small CI preset (or GRPO_NB_SMOKE=1)")
-    parser.add_argument("--mode", choices=["async", "sync"], help="default: async")
-    parser.add_argument("--model", help="model folder or hub id (default: the tiny character "
-                        "model, built if needed)")
-    parser.add_argument("--dataset", help="'arithmetic[:…]', a hub name such as openai/gsm8k, "
-                        "or a .json/.jsonl/.parquet file or folder (GSM8K or messages format)")
-    parser.add_argument("--resume", help="a run folder (runs/<name>) to continue from")
-    parser.add_argument("--steps", type=int, help="total optimiser steps")
-    parser.add_argument("--time-budget", type=float, help="seconds of training at most")
-    parser.add_argument("--transport", choices=["gloo", "reload", "nccl", "ipc"],
-                        help="weight sync (default by device: gloo on CPU, nccl/ipc on CUDA)")
-    parser.add_argument("--backend", choices=["asyncio", "monarch"], default="asyncio",
-                        help="actors in this process, or on torchmonarch processes")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="any LLMConfig field (repeatable), e.g. --set lr=1e-5")
-    parser.add_argument("--name", help="run folder name under runs/")
-    args = parser.parse_args(argv)
+    """``train``'s options, the config they describe, and whether smoke mode is on."""
+    p = _parser("train", "Asynchronous (or synchronous) GRPO on a Qwen-family model served "
+                "by vLLM.")
+    p.add_argument("--mode", choices=["async", "sync"], help="default: async")
+    p.add_argument("--resume", help="a run folder (runs/<name>) to continue from")
+    p.add_argument("--steps", type=int, help="total optimiser steps")
+    p.add_argument("--time-budget", dest="time_budget_s", type=float, metavar="SECONDS",
+                   help="seconds of training at most")
+    p.add_argument("--transport", dest="sync.transport", choices=["gloo", "reload", "nccl", "ipc"],
+                   help="weight sync (default by device: gloo on CPU, nccl/ipc on CUDA)")
+    p.add_argument("--backend", choices=["asyncio", "monarch"], default="asyncio",
+                   help="actors in this process, or on torchmonarch processes")
+    p.add_argument("--name", help="run folder name under runs/")
+    args = p.parse_args(argv)
     smoke = args.smoke or smoke_mode()
     cfg = preset(LLMConfig, smoke)
     if args.resume:
         cfg = LLMConfig(**json.loads((Path(args.resume) / "config.json").read_text()))
-    changes = {key: value for key, value in (
-        ("mode", args.mode), ("steps", args.steps), ("model", args.model),
-        ("dataset", args.dataset), ("time_budget_s", args.time_budget)) if value is not None}
-    transport = [f"sync.transport={args.transport}"] if args.transport else []
-    try:
-        cfg = apply_sets(cfg.replace(**changes), [*args.set, *transport])
-    except ValueError as err:
-        parser.error(str(err))
-    return args, cfg, smoke
+    return args, _configure(p, args, cfg), smoke
 
 
 def cli(argv: list[str]) -> int:
-    """Run, show progress on stderr, save the dashboard PNG, print the JSON summary last."""
+    """``train``: run, show progress on stderr, save the dashboard PNG, print the JSON summary
+    last."""
     from tqdm.auto import tqdm
 
     from grpo_nb.llm.dashboard import save_dashboard
@@ -128,3 +142,77 @@ def cli(argv: list[str]) -> int:
     print(f"dashboard: {save_dashboard(result.run_dir)}", file=sys.stderr)
     print(json.dumps(json.loads((Path(result.run_dir) / "result.json").read_text())))
     return 0
+
+
+def parse_rollouts(argv: list[str]) -> tuple[argparse.Namespace, LLMConfig, bool]:
+    """``rollouts``' options, the config they describe (as in training: the one source of
+    ``max_tokens`` and the server's context length), and whether smoke mode is on."""
+    from grpo_nb.tiny_model import build_or_load, is_tiny_model
+
+    p = _parser("rollouts", "Serve a model with vLLM, sample scored groups as the ring does, "
+                "check vLLM's log-probs against transformers'; the last line is one JSON object. "
+                "The server is always stopped. The tiny model samples arithmetic, another "
+                "--model openai/gsm8k unless --dataset names other data.")
+    p.add_argument("--attach", metavar="URL", help="use a running server instead of starting one")
+    p.add_argument("--groups", dest="eval_size", type=int, metavar="GROUPS",
+                   help="prompts (default 16, smoke 8)")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int,
+                   help="default: 8 for the tiny model's arithmetic, 256 for math text")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-in-flight", type=int, default=32, help="requests at once")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    smoke = args.smoke or smoke_mode()
+    if is_tiny_model(args.model):
+        args.model, args.dataset = str(args.model or build_or_load()), "arithmetic"
+    base = LLMConfig(dataset="openai/gsm8k", eval_size=8 if smoke else 16,
+                     max_inflight=max(64, args.group_size))
+    return args, _configure(p, args, base), smoke
+
+
+def rollouts(argv: list[str]) -> int:
+    """``rollouts``: a group per test prompt, three of them printed, then one JSON line; exit 1
+    when vLLM's log-probs disagree with transformers' or a request failed."""
+    from grpo_nb import tasks
+    from grpo_nb.llm.data import load_data
+    from grpo_nb.llm.policy import load_policy
+    from grpo_nb.llm.rollouts import logprob_agreement, sample_groups, summarize
+    from grpo_nb.llm.run import server_for
+    from grpo_nb.serving.client import ClientConfig, CompletionsClient
+    from grpo_nb.serving.server import VLLMServer
+
+    args, cfg, smoke = parse_rollouts(argv)
+    hf, tokenizer = load_policy(cfg.model, trainable=False)
+    data = load_data(tokenizer, cfg, smoke)  # the test split's first ones
+    if data.filtered:
+        print(f"left out {data.filtered} prompts longer than {cfg.max_prompt_len} tokens")
+    reward = tasks.make_reward(cfg.reward, default=data.reward_default)
+    server = VLLMServer.attach(args.attach) if args.attach else server_for(cfg.model, cfg)
+
+    async def sample() -> tuple[list[Any], float, Any]:
+        async with CompletionsClient.for_server(
+                server, ClientConfig(max_in_flight=args.max_in_flight)) as client:
+            t0 = time.perf_counter()
+            groups = await sample_groups(client, data.test, cfg, reward=reward, seed=cfg.seed)
+            return groups, time.perf_counter() - t0, client.stats
+
+    try:
+        if not args.attach:
+            print(f"starting vLLM for {cfg.model} …", flush=True)
+            server.start()
+            print(f"server ready in {server.startup_seconds} s at {server.url} "
+                  f"(log {server.log_path})", flush=True)
+        groups, seconds, stats = asyncio.run(sample())
+    finally:
+        server.stop()
+    for g in groups[:3]:
+        print(f"{g.prompt!r} → {[r.completion_text for r in g.rollouts]} "
+              f"rewards {g.rewards} advantages {[round(r.advantage, 2) for r in g.rollouts]}")
+    agreement = logprob_agreement(hf, groups)
+    result = {**summarize(groups, seconds), "max_abs_logprob_diff": agreement["max_abs_diff"],
+              "logprob_tolerance": agreement["tolerance"], "failed_requests": stats.failed,
+              "startup_s": server.startup_seconds, "server_id": server.server_id,
+              "model": cfg.model}
+    print(json.dumps(result))
+    return 0 if agreement["max_abs_diff"] <= agreement["tolerance"] and not stats.failed else 1

@@ -87,10 +87,8 @@ def step_phases(rows: Iterable[Row], checkpoint_every: int | None = None) -> Ste
     if not ivs:
         raise ValueError("no steady step in these rows: a run needs at least 2 steps outside "
                          "evals and checkpoints")
-    step, train, sync, generate, server_sync = (
-        fmean(iv[k] for iv in ivs) for k in ("step", "train", "sync", "generate", "server_sync"))
-    return StepPhases(steps=len(ivs), step=step, wait=step - train - sync, train=train,
-                      sync=sync, generate=generate, server_sync=server_sync)
+    mean = {k: fmean(iv[k] for iv in ivs) for k in ivs[0]}
+    return StepPhases(steps=len(ivs), wait=mean["step"] - mean["train"] - mean["sync"], **mean)
 
 
 def predict(sync_run: StepPhases, *, paused: bool = True) -> Prediction:

@@ -3,6 +3,7 @@ runs small enough to ship with the notebooks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -66,9 +67,8 @@ def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
                 label="trainer step speed", smooth=10, color="tab:gray")
     ax.set(title="tokens / s", xlabel="time (s)")
     legend_if_any(ax, fontsize=8)
-    dropped = rec.rows("dropped")
     plot_staleness(axes["stale"], [s for r in steps for s in r.get("staleness", [])],
-                   title=f"staleness of trained groups (dropped: {len(dropped)})")
+                   title=f"staleness of trained groups (dropped: {len(rec.rows('dropped'))})")
     ax = axes["sync"]
     plot_series(ax, *series(syncs, "ms", "version"), marker=".", color="tab:brown")
     checked = [r for r in syncs if r.get("verified") is not None]
@@ -94,8 +94,6 @@ class LiveDashboard(LivePlot):
     """The dashboard in a notebook, with a Stop button that sets ``stop`` (an ``asyncio.Event``)."""
 
     def __init__(self, every_s: float = 2.0, *, button: bool = True) -> None:
-        import asyncio
-
         from IPython.display import display
 
         quiet_libraries()  # the ring this dashboard watches loads and saves models here
@@ -106,8 +104,7 @@ class LiveDashboard(LivePlot):
             self.button = widgets.Button(description="Stop", button_style="danger", icon="stop")
             self.button.on_click(lambda _b: self.stop.set())
             display(self.button)
-        super().__init__(llm_figure, every_s=every_s, dpi=80,
-                         fig_kw={"figsize": (16, 9), "layout": "constrained"})
+        super().__init__(llm_figure, every_s=every_s, dpi=80)
 
     def __call__(self, kind: str, rec: MetricsRecorder) -> None:
         if kind in ("step", "eval"):
@@ -129,35 +126,25 @@ def compare_figure(runs: dict[str, MetricsRecorder]) -> Figure:
         t0 = rec.rows("step")[0]["t"] - rec.rows("step")[0]["wall_s"] if rec.rows("step") else 0
         plot_series(b, [r["t"] - t0 for r in evals], [r["accuracy"] for r in evals],
                     label=label, marker="o")
-    a.set(title="train reward vs wall clock", xlabel="seconds of training", ylim=(0, 1))
-    b.set(title="test accuracy vs wall clock", xlabel="seconds of training", ylim=(0, 1))
-    legend_if_any(a)
-    legend_if_any(b)
+    for ax, what in ((a, "train reward"), (b, "test accuracy")):
+        ax.set(title=f"{what} vs wall clock", xlabel="seconds of training", ylim=(0, 1))
+        legend_if_any(ax)
     return fig
-
-
-def _rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return round(value, 4)
-    if isinstance(value, list):
-        return [_rounded(v) for v in value]
-    return value
 
 
 def record_run(run_dir: Path | str, dest: Path | str, *, busy_window_s: float = 30.0) -> Path:
     """Copy a run into ``dest`` small enough to ship (recent ``busy`` rows, 4-decimal floats)."""
     rows = load_metrics(run_dir).rows()
     busy_end = max((r["end"] for r in rows if r["kind"] == "busy"), default=0.0)
-    kept = [{k: _rounded(v) for k, v in r.items()} for r in rows
-            if r["kind"] != "busy" or r["end"] >= busy_end - busy_window_s]
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    with MetricsRecorder(dest) as out:
+        for row in rows:
+            if row["kind"] != "busy" or row["end"] >= busy_end - busy_window_s:
+                out.log(**json.loads(json.dumps(row), parse_float=lambda s: round(float(s), 4)))
     for name in ("result.json", "config.json"):
         data = json.loads((Path(run_dir) / name).read_text())
         data.pop("run_dir", None)  # a path on the recording machine
-        (dest / name).write_text(json.dumps(data, indent=1) + "\n")
-    return dest
+        (Path(dest) / name).write_text(json.dumps(data, indent=1) + "\n")
+    return Path(dest)
 
 
 def recorded_run(folder: Path | str) -> tuple[Any, MetricsRecorder]:
@@ -166,6 +153,5 @@ def recorded_run(folder: Path | str) -> tuple[Any, MetricsRecorder]:
 
     data = json.loads((Path(folder) / "result.json").read_text())
     known = {f.name for f in fields(RunResult)}
-    result = RunResult(**{k: v for k, v in data.items() if k in known})
-    result.run_dir = str(folder)
+    result = RunResult(**{k: v for k, v in data.items() if k in known} | {"run_dir": str(folder)})
     return result, load_metrics(folder)

@@ -1,19 +1,23 @@
-"""The LLM trainer's torch work, testable without a server: loading, batching, the GRPO step.
-Weights are float32 masters (bf16 would round lr-1e-6 updates away); ``serve_dtype`` only sets
-the autocast dtype and what goes to the server."""
+"""The LLM trainer's torch work, testable without a server: loading, batching, the GRPO step,
+checkpoints. Weights are float32 masters (bf16 would round lr-1e-6 updates away);
+``serve_dtype`` only sets the autocast dtype and what goes to the server."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch.nn.utils.rnn import pad_sequence
 
 from grpo_nb import grpo
-from grpo_nb.llm import checkpoint
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Rollout
 
@@ -96,20 +100,16 @@ class ChangeMeter:
         self.stride = max(1, math.ceil(sum(p.numel() for p in params) / CHANGE_SAMPLE))
         self.kept: list[torch.Tensor] = []
 
-    def _watched(self, p: torch.Tensor) -> torch.Tensor:
-        return p.detach().reshape(-1)[::self.stride]
-
     def before(self) -> None:
-        self.kept = [self._watched(p).clone() for p in self.params]
+        self.kept = [p.detach().reshape(-1)[::self.stride].clone() for p in self.params]
 
     def after(self) -> tuple[float, float]:
         changed = sent = total = 0
-        with torch.no_grad():
-            for p, old in zip(self.params, self.kept, strict=True):
-                new = self._watched(p)
-                changed += int((new != old).sum())
-                sent += int((new.to(self.send_dtype) != old.to(self.send_dtype)).sum())
-                total += old.numel()
+        for p, old in zip(self.params, self.kept, strict=True):
+            new = p.detach().reshape(-1)[::self.stride]
+            changed += int((new != old).sum())
+            sent += int((new.to(self.send_dtype) != old.to(self.send_dtype)).sum())
+            total += old.numel()
         self.kept = []
         return changed / max(total, 1), sent / max(total, 1)
 
@@ -122,8 +122,7 @@ class PolicyTrainer:
 
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.serve_dtype: torch.dtype = getattr(torch, dtype_of(cfg))
-        if any(p.dtype != torch.float32 for p in model.parameters()):
-            model.float()  # in place: whoever holds the model (the syncer) sees the masters
+        model.float()  # in place: whoever holds the model (the syncer) sees the masters
         self.model.train()
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                                      weight_decay=cfg.weight_decay)
@@ -245,14 +244,63 @@ class PolicyTrainer:
         return loss, {**metrics, "entropy": entropy}
 
     def save(self, folder: Path | str, extra: dict[str, Any] | None = None) -> Path:
-        """Write model (HF format), optimizer and counters; ``folder`` then names them."""
+        """Write model (HF format), tokenizer, optimizer and counters into a new folder, fsynced,
+        switch the ``folder`` link to it by one atomic rename, and only then remove older ones:
+        a crash at any moment leaves a complete checkpoint."""
         state = {"step": self.step_count, "version": self.version,
                  "skipped_steps": self.skipped, **(extra or {})}
-        return checkpoint.save(folder, self.model, self.tokenizer, self.opt, state)
+        link = Path(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        name = f"ckpt-{int(state['step']):06d}-{uuid.uuid4().hex[:6]}"
+        tmp = link.parent / f"{name}.tmp"
+        tmp.mkdir()
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+        (tmp / STATE).write_text(json.dumps(state, indent=1))
+        _fsync(*(p for p in tmp.rglob("*") if p.is_file()), tmp)
+        tmp.rename(link.parent / name)
+        staged = link.parent / f"{link.name}.tmp-link"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(name)  # relative: the run folder can be moved
+        os.replace(staged, link)  # the atomic switch
+        _fsync(link.parent)
+        for old in link.parent.glob("ckpt-*"):
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+        return link
 
     def load(self, folder: Path | str) -> dict[str, Any]:
         """Restore a :meth:`save` folder into this trainer; returns its saved counters."""
-        saved = checkpoint.load(folder, self.model, self.opt)
+        folder = resolve_checkpoint(folder)
+        weights = load_file(str(folder / "model.safetensors"))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:
+            raise ValueError(f"checkpoint {folder} does not fit the model: missing={missing} "
+                             f"unexpected={unexpected}")
+        self.opt.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        saved = json.loads((folder / STATE).read_text())
         self.step_count = int(saved["step"])
-        self.skipped = int(saved.get("skipped_steps", 0))
+        self.skipped = int(saved["skipped_steps"])
         return saved
+
+
+STATE = "trainer_state.json"  # written last: its presence marks a complete checkpoint folder
+
+
+def _fsync(*paths: Path) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)  # a file or a folder (its entries)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def resolve_checkpoint(folder: Path | str) -> Path:
+    """``folder`` if it holds a complete checkpoint: the link :meth:`PolicyTrainer.save` switches
+    only ever names one (a ``ckpt-*`` folder it never linked to was not committed)."""
+    folder = Path(folder)
+    if not (folder / STATE).is_file():
+        raise FileNotFoundError(f"no complete checkpoint at {folder}")
+    return folder

@@ -1,11 +1,10 @@
 """Sampling a group from the vLLM server, the one way the ring, notebook 04 and ``python -m
-grpo_nb rollouts`` do it (one request with ``n = group_size``); rewards; held-out evaluation."""
+grpo_nb rollouts`` do it (one request with ``n = group_size``); scoring it (rewards, then the
+group's advantages); held-out evaluation."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Any
 
 import torch
 
+from grpo_nb import grpo
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Prompt, Rollout
 from grpo_nb.serving.client import CompletionsClient, policy_salt
@@ -49,19 +49,23 @@ async def sample_group(client: CompletionsClient, prompt: Prompt, cfg: LLMConfig
                  t_submit=start, t_done=time.time(), source=source)
 
 
-def reward_group(group: Group, reward: Callable[[str, str], float]) -> Group:
-    """Set each rollout's reward; a completion cut at ``max_tokens`` (not ``"stop"``) scores 0:
-    the answer must be followed by end-of-sequence."""
+def score_group(group: Group, reward: Callable[[str, str], float],
+                adv_scale: grpo.AdvScale) -> Group:
+    """Set each rollout's reward, then its advantage within the group; a completion cut at
+    ``max_tokens`` (not ``"stop"``) scores 0: the answer must be followed by end-of-sequence."""
     for r in group.rollouts:
         r.reward = float(reward(r.completion_text, group.answer)) \
             if r.finish_reason == "stop" else 0.0
+    adv = grpo.group_advantages(torch.tensor(group.rewards), len(group.rollouts), scale=adv_scale)
+    for r, a in zip(group.rollouts, adv.tolist(), strict=True):
+        r.advantage = a
     return group
 
 
 async def sample_groups(client: CompletionsClient, prompts: Sequence[Prompt], cfg: LLMConfig,
                         *, reward: Callable[[str, str], float] | None = None,
                         seed: int | None = None) -> list[Group]:
-    """A group per prompt, all in flight at once, in order; rewarded when ``reward`` is given."""
+    """A group per prompt, all in flight at once, in order; scored when ``reward`` is given."""
     tasks = [asyncio.ensure_future(sample_group(
         client, p, cfg, group_id=i, seed=None if seed is None else seed + i * cfg.group_size))
         for i, p in enumerate(prompts)]
@@ -71,7 +75,7 @@ async def sample_groups(client: CompletionsClient, prompts: Sequence[Prompt], cf
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return [reward_group(g, reward) for g in groups] if reward is not None else groups
+    return groups if reward is None else [score_group(g, reward, cfg.adv_scale) for g in groups]
 
 
 def flatten(groups: Sequence[Group]) -> list[Rollout]:
@@ -132,89 +136,3 @@ async def greedy_accuracy(client: Any, prompts: Sequence[Prompt],
         truncated += out.finish_reason == "length"
         correct += out.finish_reason == "stop" and checker(out.text, prompt.answer) >= 1.0
     return EvalResult(correct / len(prompts), len(prompts), truncated)
-
-
-def _parser() -> argparse.ArgumentParser:
-    """``python -m grpo_nb rollouts``'s options."""
-    p = argparse.ArgumentParser(
-        prog="python -m grpo_nb rollouts", description="Serve a model with vLLM, sample scored "
-        "groups as the ring does, check vLLM's log-probs against transformers'; the last line "
-        "is one JSON object. The server is always stopped.")
-    p.add_argument("--smoke", action="store_true", help="small CI sizes (also GRPO_NB_SMOKE=1)")
-    p.add_argument("--model", help="model folder or hub name (default: the tiny model)")
-    p.add_argument("--dataset", default=None,
-                   help="hub math dataset / JSON / Parquet for a --model that is not the tiny "
-                        "model (default openai/gsm8k)")
-    p.add_argument("--attach", metavar="URL", help="use a running server instead of starting one")
-    p.add_argument("--groups", type=int, default=None, help="prompts (default 16, smoke 8)")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="default: 8 for the tiny model's arithmetic, 256 for math text")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-in-flight", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    return p
-
-
-def plan(args: argparse.Namespace) -> LLMConfig:
-    """The config, as in training: the one source of ``max_tokens`` and the context length."""
-    from grpo_nb import tiny_model
-    from grpo_nb.config import preset
-
-    model, dataset = args.model, args.dataset or "openai/gsm8k"
-    if tiny_model.is_tiny_model(args.model):
-        tiny = preset(tiny_model.TinyModelConfig, smoke=True if args.smoke else None)
-        model, dataset = str(args.model or tiny_model.build_or_load(tiny)), "arithmetic"
-    return LLMConfig(model=model, dataset=dataset, max_tokens=args.max_tokens,
-                     group_size=args.group_size, temperature=args.temperature,
-                     max_inflight=max(64, args.group_size), seed=args.seed,
-                     eval_size=args.groups or (8 if args.smoke else 16))
-
-
-def cli(argv: list[str]) -> int:
-    from grpo_nb import grpo, tasks
-    from grpo_nb.config import smoke_mode
-    from grpo_nb.llm.data import load_data
-    from grpo_nb.llm.placement import server_config
-    from grpo_nb.llm.policy import load_policy
-    from grpo_nb.serving.client import ClientConfig
-    from grpo_nb.serving.server import VLLMServer
-
-    args = _parser().parse_args(argv)
-    cfg = plan(args)
-    hf, tokenizer = load_policy(cfg.model, trainable=False)
-    data = load_data(tokenizer, cfg, args.smoke or smoke_mode())  # the test split's first ones
-    if data.filtered:
-        print(f"left out {data.filtered} prompts longer than {cfg.max_prompt_len} tokens")
-    reward = tasks.make_reward(cfg.reward, default=data.reward_default)
-    server = VLLMServer.attach(args.attach) if args.attach else VLLMServer(
-        server_config(cfg.model, cfg))  # as a training server is
-
-    async def sample() -> tuple[list[Group], float, Any]:
-        async with CompletionsClient.for_server(
-                server, ClientConfig(max_in_flight=args.max_in_flight)) as client:
-            t0 = time.perf_counter()
-            groups = await sample_groups(client, data.test, cfg, reward=reward, seed=args.seed)
-            return groups, time.perf_counter() - t0, client.stats
-
-    try:
-        if not args.attach:
-            print(f"starting vLLM for {cfg.model} …", flush=True)
-            server.start()
-            print(f"server ready in {server.startup_seconds} s at {server.url} "
-                  f"(log {server.log_path})", flush=True)
-        groups, seconds, stats = asyncio.run(sample())
-    finally:
-        server.stop()
-    for g in groups[:3]:
-        adv = grpo.group_advantages(torch.tensor(g.rewards), cfg.group_size,
-                                    scale=cfg.adv_scale)
-        print(f"{g.prompt!r} → {[r.completion_text for r in g.rollouts]} "
-              f"rewards {g.rewards} advantages {[round(a, 2) for a in adv.tolist()]}")
-    agreement = logprob_agreement(hf, groups)
-    result = {**summarize(groups, seconds), "max_abs_logprob_diff": agreement["max_abs_diff"],
-              "logprob_tolerance": agreement["tolerance"], "failed_requests": stats.failed,
-              "startup_s": server.startup_seconds, "server_id": server.server_id,
-              "model": cfg.model}
-    print(json.dumps(result))
-    return 0 if agreement["max_abs_diff"] <= agreement["tolerance"] and not stats.failed else 1

@@ -14,17 +14,15 @@ from typing import Any
 
 from grpo_nb import partition
 from grpo_nb.config import runs_dir, smoke_mode, unique_run_name
-from grpo_nb.llm import checkpoint
 from grpo_nb.llm.actors import Generator, Reference, Scorer, Trainer
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import RingSpec, load_data
+from grpo_nb.llm.policy import resolve_checkpoint
 from grpo_nb.llm.summary import RunResult, summarize
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.ring import Controller, Event, RingError
 from grpo_nb.serving.processes import wait_exit
-
-__all__ = ["RunAborted", "RunResult", "ServerWatch", "run_ring", "server_for", "start_server",
-           "train", "trainer_cores"]
+from grpo_nb.tiny_model import build_or_load
 
 
 class RunAborted(RingError):
@@ -88,8 +86,7 @@ async def _forward_stop(stop: asyncio.Event, trainer: Any) -> None:
 
 async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, server: Any = None,
                    on_event: Callable[[str, MetricsRecorder], None] | None = None,
-                   stop: asyncio.Event | None = None, backend: str = "asyncio",
-                   stop_timeout_s: float = 15.0) -> dict[str, Any]:
+                   stop: asyncio.Event | None = None, backend: str = "asyncio") -> dict[str, Any]:
     """Spawn the ring, relay its events into ``rec`` (then ``on_event(kind, rec)``) until the
     trainer exits; ``stop`` ends it after the current step. Returns the trainer's exit data."""
     if stop is not None and not isinstance(stop, asyncio.Event):
@@ -104,7 +101,7 @@ async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, serv
     try:
         with trainer_cores(cfg, server, backend) as plan:
             rec.log("partition", plan=plan.describe(), active=plan.active)
-            async with Controller(backend, rec, stop_timeout_s=stop_timeout_s) as ring:
+            async with Controller(backend, rec) as ring:
                 here = ring.procs(here=True)
                 # On Monarch the trainer gets its own process (its torch threads, its GPU).
                 own = ring.procs(1) if backend == "monarch" else here
@@ -113,9 +110,7 @@ async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, serv
                 reference = ring.spawn(here, "reference", Reference, cfg, spec, ring.metrics)
                 gens = ring.spawn(ring.procs(cfg.generators), "generators", Generator, cfg, spec,
                                   await scorer.inlet.call_one(), ring.metrics)
-                await ring.wire(gens, scorer, reference, trainer,
-                                finish_timeout_s=cfg.finish_timeout_s,
-                                timeout_field="LLMConfig.finish_timeout_s")
+                await ring.wire(gens, scorer, reference, trainer)
                 watchers = [*([watch.died(lambda: len(rec.rows("step")))] if watch else []),
                             *([_forward_stop(stop, trainer)] if stop is not None else [])]
                 exited = await ring.relay(
@@ -135,11 +130,12 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
     """Run GRPO on ``model_dir`` (else ``cfg.model``, else the tiny model) into ``runs/<name>/``;
     without a ``server`` (which must serve it) one is started and always stopped."""
     smoke = smoke_mode() if smoke is None else smoke
-    model = await _model_source(model_dir or cfg.model, progress)
+    model = str(model_dir or cfg.model  # neither: the tiny model, built once and cached
+                or await asyncio.to_thread(build_or_load, progress=progress))
     cfg = cfg.replace(model=model) if cfg.model != model else cfg
     if resume is not None:
         run_dir = Path(resume)
-        checkpoint.resolve(run_dir / "checkpoint")  # none: fail before a server starts
+        resolve_checkpoint(run_dir / "checkpoint")  # none: fail before a server starts
     else:
         run_dir = runs_dir() / (name or unique_run_name(f"llm-{cfg.mode}"))
     rec = MetricsRecorder(run_dir, append=resume is not None)
@@ -173,23 +169,9 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
     return result
 
 
-async def _model_source(model: str | Path | None, progress: bool) -> str:
-    """A folder or hub id; ``None`` builds (or loads the cached) tiny character model."""
-    if model is not None:
-        return str(model)
-    from grpo_nb.tiny_model import TinyModelConfig, build_or_load
-
-    return str(await asyncio.to_thread(build_or_load, TinyModelConfig(), progress=progress))
-
-
 def server_for(model: str, cfg: LLMConfig) -> Any:
     """An unstarted vLLM server for ``model`` with settings derived from ``cfg``."""
     from grpo_nb.llm.placement import server_config
     from grpo_nb.serving.server import VLLMServer
 
     return VLLMServer(server_config(model, cfg))
-
-
-def start_server(model_dir: str, cfg: LLMConfig, progress: bool = True) -> Any:
-    """:func:`server_for`, started (blocking; in async code prefer ``start_async``)."""
-    return server_for(model_dir, cfg).start(progress=progress)

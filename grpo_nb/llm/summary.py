@@ -43,6 +43,13 @@ class RunResult:
 
 def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int) -> RunResult:
     evals, syncs, steps = rec.rows("eval"), rec.rows("sync"), rec.rows("step")
+    defaults, data = dict(cfg.defaults), rec.rows("data")
+    given = cfg.chat_template_kwargs or {}
+    chosen = {k: v for k, v in (data[0].get("chat_template_kwargs") or {}).items()
+              if k not in given} if data else {}
+    if chosen:  # the chat-template arguments left to the template
+        defaults["chat_template_kwargs"] = f"{chosen} (the model's chat template reads them: " \
+                                           "tasks.template_defaults)"
     stale = [s for r in steps for s in r.get("staleness", [])]
     tokens = sum(r.get("tokens", 0) for r in steps)
     last_sync = syncs[-1] if syncs else {}
@@ -70,20 +77,8 @@ def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int)
         zero_std_frac_mean=_mean(r.get("zero_std_frac") for r in steps),
         truncated_frac_mean=_mean(r.get("truncated_frac") for r in steps),
         response_len_mean=_mean(r.get("response_len") for r in steps),
-        defaults=_defaults(rec, cfg),
+        defaults=defaults,
     )
-
-
-def _defaults(rec: MetricsRecorder, cfg: LLMConfig) -> dict[str, str]:
-    """:attr:`LLMConfig.defaults`, plus the chat-template arguments left to the template."""
-    out, data = dict(cfg.defaults), rec.rows("data")
-    given = cfg.chat_template_kwargs or {}
-    chosen = {k: v for k, v in (data[0].get("chat_template_kwargs") or {}).items()
-              if k not in given} if data else {}
-    if chosen:
-        out["chat_template_kwargs"] = f"{chosen} (the model's chat template reads them: " \
-                                      "tasks.template_defaults)"
-    return out
 
 
 def _mean(values: Iterable[float | None]) -> float:

@@ -96,9 +96,8 @@ class CompletionsClient:
         self._http: httpx.AsyncClient | None = None
 
     @classmethod
-    def for_server(cls, server: Any, cfg: ClientConfig | None = None, **kw: Any
-                   ) -> CompletionsClient:
-        return cls(server.base_url, server.model_name, cfg, api_key=server.api_key, **kw)
+    def for_server(cls, server: Any, cfg: ClientConfig | None = None) -> CompletionsClient:
+        return cls(server.base_url, server.model_name, cfg, api_key=server.api_key)
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None or self._http.is_closed:
@@ -109,9 +108,8 @@ class CompletionsClient:
         return self._http
 
     async def close(self) -> None:
-        if self._http is not None:
+        if self._http is not None:  # a closed one is replaced on the next request
             await self._http.aclose()
-            self._http = None
 
     async def __aenter__(self) -> CompletionsClient:
         return self
@@ -127,14 +125,12 @@ class CompletionsClient:
 
     async def complete(self, prompt_ids: list[int], *, max_tokens: int = 16,
                        temperature: float = 1.0, top_p: float = 1.0, n: int = 1,
-                       seed: int | None = None, **extra: Any) -> list[Completion]:
+                       **extra: Any) -> list[Completion]:
         """Sample ``n`` completions of a token-id prompt; raises :class:`CompletionError`.
-        ``extra`` goes into the request body as is (``ignore_eos``, ``cache_salt`` …)."""
+        ``extra`` joins the request body as is (``seed``, ``ignore_eos``, ``cache_salt`` …)."""
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p, **NEUTRAL_SAMPLING, "n": n,
                 "logprobs": 1, "return_token_ids": True, **extra}
-        if seed is not None:
-            body["seed"] = seed
         async with self._sem:
             self.stats.requests += 1
             return await self._post_with_retries(body)

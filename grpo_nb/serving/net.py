@@ -3,22 +3,20 @@ routes and the gloo store trust whoever connects), and every HTTP call goes thro
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import socket
-import threading
 
 import httpx
 
 LOOPBACK = "127.0.0.1"
-_LOCAL = threading.local()
 
 
+@functools.cache
 def http() -> httpx.Client:
-    """This thread's ``httpx.Client`` (connections kept alive; a sync calls from two threads)."""
-    if getattr(_LOCAL, "client", None) is None:
-        _LOCAL.client = httpx.Client()
-    return _LOCAL.client
+    """One ``httpx.Client`` for every thread (connections kept alive; httpx shares it safely)."""
+    return httpx.Client()
 
 
 def env_api_key() -> str | None:

@@ -44,17 +44,15 @@ async def wait_exit(pid: int) -> None:
         os.close(fd)
 
 
-def start_watchdog(leader_pid: int, server_id: str, grace_s: float = 4.0
-                   ) -> subprocess.Popen[bytes]:
+def start_watchdog(leader_pid: int, server_id: str) -> subprocess.Popen[bytes]:
     """Spawn the watchdog for a server whose process-group leader is ``leader_pid``."""
     env = {k: v for k, v in os.environ.items() if k not in (MARKER_ENV, OWNER_ENV)}
     return subprocess.Popen(
-        [sys.executable, "-c", WATCHDOG, _ROOT, str(os.getpid()), str(leader_pid), server_id,
-         str(grace_s)],
+        [sys.executable, "-c", WATCHDOG, _ROOT, str(os.getpid()), str(leader_pid), server_id],
         env=env, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def watch_owner(owner: str, leader: str, server_id: str, grace_s: str) -> None:
+def watch_owner(owner: str, leader: str, server_id: str) -> None:
     """The watchdog's body: when the owner exits before the server (SIGKILL included), end
     the server's tree (not PR_SET_PDEATHSIG: it follows the spawning *thread*)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -68,7 +66,7 @@ def watch_owner(owner: str, leader: str, server_id: str, grace_s: str) -> None:
         return owner_exit in done
 
     if asyncio.run(owner_exits_first()):
-        end_processes(marked_processes([server_id]), int(leader), float(grace_s))
+        end_processes(marked_processes([server_id]), int(leader), timeout=4.0)
 
 
 def _marked() -> Iterator[tuple[psutil.Process, str, str]]:
@@ -80,10 +78,9 @@ def _marked() -> Iterator[tuple[psutil.Process, str, str]]:
                 yield p, env[MARKER_ENV], env.get(OWNER_ENV, "")
 
 
-def marked_processes(server_ids: Iterable[str] | None = None) -> list[psutil.Process]:
-    """The processes of the servers ``server_ids`` (default: of every marked server)."""
-    ids = None if server_ids is None else set(server_ids)
-    return [p for p, sid, _ in _marked() if ids is None or sid in ids]
+def marked_processes(server_ids: Iterable[str]) -> list[psutil.Process]:
+    ids = set(server_ids)
+    return [p for p, sid, _ in _marked() if sid in ids]
 
 
 def owned_by(pid: int) -> list[psutil.Process]:
@@ -115,15 +112,6 @@ class Orphan:
     rss_gib: float
 
 
-def _owner_alive(owner: int, since: float) -> bool:
-    try:
-        p = psutil.Process(owner)
-        # A reused pid (created after the server) is not the owner.
-        return p.status() != psutil.STATUS_ZOMBIE and p.create_time() <= since + 1
-    except psutil.Error:
-        return False
-
-
 def _arg(cmdline: list[str], flag: str) -> str:
     return cmdline[cmdline.index(flag) + 1] if flag in cmdline[:-1] else "?"
 
@@ -136,8 +124,12 @@ def find_orphans() -> list[Orphan]:
     orphans = []
     for sid, (owner, procs) in groups.items():
         with contextlib.suppress(psutil.Error, ValueError):
-            if _owner_alive(int(owner), min(p.create_time() for p in procs)):
-                continue
+            since = min(p.create_time() for p in procs)
+            with contextlib.suppress(psutil.Error):  # no such process: the owner is gone
+                o = psutil.Process(int(owner))
+                # neither a zombie nor a reused pid (created after the server) is the owner
+                if o.status() != psutil.STATUS_ZOMBIE and o.create_time() <= since + 1:
+                    continue
             cmd = max((p.cmdline() for p in procs), key=lambda c: "--port" in c)
             rss = sum(p.memory_info().rss for p in procs) / 2**30
             orphans.append(Orphan(sid, int(owner), sorted(p.pid for p in procs),

@@ -1,27 +1,148 @@
-"""Start, watch and stop a vLLM server as a process tree in its own group; a registry keeps every
-server until stopped, so re-running a cell never orphans one."""
+"""``ServerConfig`` (how vLLM runs, who may reach it: a key travels in the environment, not argv)
+and ``VLLMServer``: start, watch and stop it as a process tree in its own group; a registry keeps
+every server until stopped, so re-running a cell never orphans one."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
 import contextlib
+import json
+import os
 import subprocess
+import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from grpo_nb.config import runs_dir
-from grpo_nb.partition import cuda_available, exec_pinned, plan
-from grpo_nb.serving.net import auth_headers, env_api_key, free_port, http
-from grpo_nb.serving.processes import end_processes, marked_processes, start_watchdog
-from grpo_nb.serving.server_config import ServerConfig
+from grpo_nb.config import cache_dir, env_flag, runs_dir
+from grpo_nb.partition import cuda_available, format_cpus, parse_cpus, plan
+from grpo_nb.serving import processes
+from grpo_nb.serving.net import auth_headers, env_api_key, free_port, http, is_loopback
+
+INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"  # unpickles request data: loopback only
+EAGER_ENV = "GRPO_NB_SERVER_EAGER"  # "1": every server starts eager (the test suite sets it)
+
+
+@dataclass
+class ServerConfig:
+    """How to run ``vllm serve``; ``None`` fields take CPU or GPU defaults at start time."""
+
+    model: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    dtype: str | None = None
+    max_model_len: int = 512
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.5
+    api_key: str | None = field(default_factory=env_api_key, repr=False)
+    name: str | None = None  # a starting server replaces a running one of the same name
+    log_dir: Path | str | None = None
+    startup_timeout: float = 600.0
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    dev_mode: bool = True
+    worker_extension_cls: str | None = None
+    weight_transfer_config: dict[str, Any] | None = None
+    cpus: str | list[int] = "auto"  # pins the server tree: "auto", "off" or core ids
+    # skip torch.compile: a sooner start, slower generation (pays for short-lived servers)
+    eager: bool = field(default_factory=lambda: env_flag(EAGER_ENV))
+
+    def __post_init__(self) -> None:
+        self.model = str(self.model)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field (run again at start: fields may change)."""
+        for name, ok, rule in (
+                ("port", 0 <= self.port <= 65535, "0 (pick a free port) .. 65535"),
+                ("max_model_len", self.max_model_len >= 8, "≥ 8"),
+                ("kv_cache_bytes", (self.kv_cache_bytes or 1 << 20) >= 1 << 20, "≥ 1 MiB"),
+                ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "(0, 1]"),
+                ("startup_timeout", self.startup_timeout > 0, "> 0"),
+                ("extra_args", all(isinstance(a, str) for a in self.extra_args), "strings")):
+            if not ok:
+                raise ValueError(f"ServerConfig.{name}={getattr(self, name)!r}: use {rule}")
+        for flag, name in (("--host", "host"), ("--api-key", "api_key"),
+                           ("--enforce-eager", "eager")):
+            if any(a.split("=")[0] == flag for a in self.extra_args):
+                raise ValueError(f"ServerConfig.extra_args has {flag}: set ServerConfig.{name}"
+                                 " instead (it is checked there)")
+        if self.cpus not in (None, "auto", "off"):
+            parse_cpus(self.cpus, "ServerConfig.cpus")
+        if "VLLM_API_KEY" in self.env:
+            raise ValueError("ServerConfig.env has VLLM_API_KEY: set ServerConfig.api_key")
+        if is_loopback(self.host):
+            return
+        if self.dev_mode:
+            raise ValueError(
+                f"ServerConfig.host={self.host!r} is not loopback, but dev_mode=True turns on "
+                "/pause, /update_weights, /collective_rpc …: vLLM's api_key guards only /v1 "
+                "routes, so anyone reaching the port could replace the weights. A dev-mode "
+                "server binds loopback only, key or not")
+        if not self.api_key:
+            raise ValueError(f"ServerConfig.host={self.host!r} is not loopback: set api_key")
+        if self.env.get(INSECURE_ENV, "0") not in ("", "0"):
+            raise ValueError(f"ServerConfig.env[{INSECURE_ENV!r}] lets the server unpickle "
+                             f"request data: allowed on loopback only, not host={self.host!r}")
+
+    @classmethod
+    def smoke(cls, model: str | Path = "") -> ServerConfig:
+        """Small KV cache, short context: the tiny model on a 2-core CPU (notebook 04)."""
+        return cls(model=str(model), max_model_len=256, kv_cache_bytes=64 << 20)
+
+    def command(self, port: int, gpu: bool) -> list[str]:
+        """The server's command line (``port`` already resolved; never holds the key)."""
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", self.model, "--host", self.host, "--port", str(port),
+               "--dtype", self.dtype or ("auto" if gpu else "float32"),
+               "--max-model-len", str(self.max_model_len),
+               "--disable-uvicorn-access-log",
+               # log-probs of the distribution that was sampled (after temperature / top-p)
+               "--logprobs-mode", "processed_logprobs",
+               # vLLM's neutral defaults, not the folder's generation_config.json, for any
+               # sampling field a request leaves unset (our clients set every one anyway)
+               "--generation-config", "vllm"]
+        if gpu:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        kv = self.kv_cache_bytes if self.kv_cache_bytes is not None else (None if gpu else 64 << 20)
+        if kv is not None:
+            cmd += ["--kv-cache-memory-bytes", str(kv)]
+        if self.eager:
+            cmd += ["--enforce-eager"]
+        if self.worker_extension_cls:
+            cmd += ["--worker-extension-cls", self.worker_extension_cls]
+        if self.weight_transfer_config is not None:
+            cmd += ["--weight-transfer-config", json.dumps(self.weight_transfer_config)]
+        return cmd + list(self.extra_args)
+
+    def environment(self, server_id: str, gpu: bool,
+                    cpus: tuple[int, ...] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would silently override kv_cache_bytes
+        env.pop("VLLM_API_KEY", None)  # the server's key is ours to set, not inherited
+        env.update({processes.MARKER_ENV: server_id, processes.OWNER_ENV: str(os.getpid()),
+                    "VLLM_CACHE_ROOT": str(cache_dir() / "vllm"),
+                    "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"})
+        if not gpu:
+            env["VLLM_TARGET_DEVICE"] = "cpu"
+            if cpus:  # vLLM-CPU's OpenMP threads on exactly these cores (else it picks its own)
+                env.update({"VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus),
+                            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.update(self.env)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        return env
+
 
 _LIVE: set[VLLMServer] = set()  # strong: a dropped variable must not orphan a running server
-_BY_NAME: dict[str, VLLMServer] = {}
 
 
 class ServerStartError(RuntimeError):
@@ -40,7 +161,7 @@ class VLLMServer:
         self.port: int = cfg.port if cfg else 0
         self.host: str = cfg.host if cfg else ""
         self.api_key = cfg.api_key if cfg else None
-        self.model_name = (cfg.served_model_name or cfg.model) if cfg else ""
+        self.model_name = cfg.model if cfg else ""
         self.server_id = uuid.uuid4().hex[:12] if _owned else ""
         self.log_path: Path | None = None
         self.startup_seconds: float | None = None
@@ -104,7 +225,7 @@ class VLLMServer:
                 raise RuntimeError("server already started or stopped: create a new VLLMServer")
             self.cfg.validate()  # fields may have been set after construction
             self.api_key = self.cfg.api_key
-            if self.cfg.name and (old := _BY_NAME.get(self.cfg.name)) is not None:
+            for old in [s for s in _LIVE if self.cfg.name and s.cfg.name == self.cfg.name]:
                 print(f"stopping the previous server named {self.cfg.name!r} ({old.url})")
                 old.stop()
             gpu = cuda_available()
@@ -115,19 +236,21 @@ class VLLMServer:
             cmd = self.cfg.command(self.port, gpu)
             cpus = None if self.cfg.cpus == "auto" else self.cfg.cpus
             self.cpus = plan(server_cpus=cpus, gpu=gpu).server_cpus
-            if self.cpus:  # pinned before exec: every process and thread of the tree inherits
-                cmd = exec_pinned(self.cpus, cmd)
             _LIVE.add(self)
-            if self.cfg.name:
-                _BY_NAME[self.cfg.name] = self
+            mask = os.sched_getaffinity(0)
             with self.log_path.open("wb") as log:
                 log.write(("$ " + " ".join(cmd) + "\n").encode())
                 log.flush()
-                self.proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=self.cfg.environment(self.server_id, gpu, self.cpus),
-                    start_new_session=True)
-            self.watchdog = start_watchdog(self.proc.pid, self.server_id)
+                # this thread's mask: the child, and every process and thread it starts, inherit it
+                os.sched_setaffinity(0, self.cpus or mask)
+                try:
+                    self.proc = subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        env=self.cfg.environment(self.server_id, gpu, self.cpus),
+                        start_new_session=True)
+                finally:
+                    os.sched_setaffinity(0, mask)
+            self.watchdog = processes.start_watchdog(self.proc.pid, self.server_id)
 
     def start(self, *, progress: bool = True) -> VLLMServer:
         """Spawn the server and wait for ``/health``; raises :class:`ServerStartError` (with the
@@ -151,8 +274,7 @@ class VLLMServer:
                         raise ServerStartError(
                             f"vLLM not healthy after {self.cfg.startup_timeout:.0f} s (ServerConfig"
                             f".startup_timeout); log {self.log_path}:\n{self.log_tail()}")
-                    last = self.log_tail(5).strip().splitlines()
-                    bar.set_postfix_str(last[-1][-120:] if last else "")
+                    bar.set_postfix_str(self.log_tail(1)[-120:])
                     time.sleep(0.5)
             self.startup_seconds = round(time.perf_counter() - t0, 1)
         except BaseException:  # includes KeyboardInterrupt: never leave a half-started server
@@ -170,24 +292,23 @@ class VLLMServer:
 
     def pids(self) -> list[int]:
         """Every process of this server (found by the marker in their environment)."""
-        return [p.pid for p in marked_processes([self.server_id])] if self._owned else []
+        return [p.pid for p in processes.marked_processes([self.server_id])] if self._owned else []
 
     def stop(self, timeout: float = 20.0) -> None:
         """End the whole process tree: SIGTERM the group, wait, then SIGKILL what is left."""
         with self._lock:
             self._stopped = True
             if self._owned and self.proc is not None:
-                end_processes(marked_processes([self.server_id]), self.proc.pid, timeout)
+                processes.end_processes(processes.marked_processes([self.server_id]),
+                                        self.proc.pid, timeout)
                 # a child forked while the group was signalled got SIGTERM but no wait: wait now
-                end_processes(marked_processes([self.server_id]), None, 5)
+                processes.end_processes(processes.marked_processes([self.server_id]), None, 5)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=5)
             if self.watchdog is not None:
                 self.watchdog.kill()
                 self.watchdog.wait()
             _LIVE.discard(self)
-            if self.cfg is not None and self.cfg.name and _BY_NAME.get(self.cfg.name) is self:
-                del _BY_NAME[self.cfg.name]
 
     def __enter__(self) -> VLLMServer:
         if self._owned and self.proc is None:

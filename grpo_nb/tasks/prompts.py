@@ -25,13 +25,10 @@ def prompt_text(tokenizer: Any, row: Mapping[str, Any], *, add_generation_prompt
     """The rendered prompt as text; ``chat_template_kwargs`` override :func:`template_defaults`."""
     messages = row.get("messages")
     if messages and has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
             **{**template_defaults(tokenizer), **dict(chat_template_kwargs or {})},
         )
-        if not isinstance(text, str):
-            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
-        return text
     if messages:  # no template: the turns' text, so a system prompt still reaches the model
         return "\n\n".join(str(m["content"]) for m in messages)
     return str(row["prompt"])

@@ -12,7 +12,6 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 RewardFn = Callable[[str, str], float]
 RewardTerm = str | RewardFn
@@ -64,22 +63,6 @@ def as_number(text: str) -> float | None:
         return None
 
 
-def answers_match(predicted: str, reference: str) -> bool:
-    """Numeric equality when both sides are numbers, else math-verify's symbolic check."""
-    p, r = as_number(predicted), as_number(reference)
-    if p is not None and r is not None:
-        return p == r
-    from math_verify import parse, verify  # lazy: only LaTeX answers need it
-
-    # math-verify times out with SIGALRM, which only the main thread may set: an actor scoring
-    # in a worker thread would crash on it, so there it runs without a timeout.
-    limit = 5 if threading.current_thread() is threading.main_thread() else None
-    # math-verify wants the gold answer in math delimiters to parse LaTeX.
-    gold = parse(f"${reference}$", parsing_timeout=limit)
-    guess = parse(f"${predicted}$", parsing_timeout=limit)
-    return bool(gold) and bool(guess) and bool(verify(gold, guess, timeout_seconds=limit))
-
-
 def exact_match(completion_text: str, answer: str) -> float:
     """1.0 when the completion is nothing but the answer (numerically equal: ``9`` = ``0009``)."""
     whole = WHOLE_NUMBER.fullmatch(completion_text)
@@ -90,9 +73,23 @@ def exact_match(completion_text: str, answer: str) -> float:
 
 
 def math_answer(completion_text: str, answer: str) -> float:
-    """1.0 when the answer read out of the text (its last number) matches."""
+    """1.0 when the answer read out of the text (:func:`extract_answer`) matches: numerically
+    when both sides are numbers, else by math-verify's symbolic check."""
     predicted = extract_answer(completion_text)
-    return float(predicted is not None and answers_match(predicted, answer))
+    if predicted is None:
+        return 0.0
+    p, r = as_number(predicted), as_number(answer)
+    if p is not None and r is not None:
+        return float(p == r)
+    from math_verify import parse, verify  # lazy: only LaTeX answers need it
+
+    # math-verify times out with SIGALRM, which only the main thread may set: an actor scoring
+    # in a worker thread would crash on it, so there it runs without a timeout.
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    # math-verify wants the gold answer in math delimiters to parse LaTeX.
+    gold = parse(f"${answer}$", parsing_timeout=limit)
+    guess = parse(f"${predicted}$", parsing_timeout=limit)
+    return float(bool(gold) and bool(guess) and bool(verify(gold, guess, timeout_seconds=limit)))
 
 
 def format_reward(completion_text: str, answer: str) -> float:
@@ -106,38 +103,35 @@ REWARDS: dict[str, RewardFn] = {"exact": exact_match, "math": math_answer,
                                 "format": format_reward}
 
 
-def _check_callable(fn: Any, label: str) -> RewardFn:
-    if not callable(fn):
-        raise ValueError(f"reward {label!r} is not callable: {fn!r}")
+def _resolve(term: RewardTerm, default: str = "math", *, load: bool = True) -> RewardFn | None:
+    """A term's function, checked to take ``(completion_text, answer)``; ``load=False`` imports
+    nothing (an import path is only checked for its spelling, and ``None`` returned)."""
+    fn, name = term, getattr(term, "__name__", repr(term))
+    if not callable(term):
+        name = default if term == "auto" else term
+        if ":" not in name:
+            if name not in REWARDS:
+                raise ValueError(f"reward {term!r}: unknown; use one of {sorted(REWARDS)}, 'auto', "
+                                 "'module:function', or a weighted sum such as 'math+0.1*format'")
+            return REWARDS[name]
+        if not _IMPORT_PATH.fullmatch(name):
+            raise ValueError(f"reward {term!r}: write an import path as 'module:function'")
+        if not load:
+            return None
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"reward {name!r}: cannot import it ({err})") from None
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} is not callable: {fn!r}")
     try:
         inspect.signature(fn).bind("completion", "answer")
     except TypeError as err:
-        raise ValueError(f"reward {label!r} must accept (completion_text, answer): {err}") from None
+        raise ValueError(f"reward {name!r} must accept (completion_text, answer): {err}") from None
     except ValueError:  # builtins without a signature: trust them
         pass
     return fn
-
-
-def _resolve(term: RewardTerm, default: str = "math", *, load: bool = True) -> RewardFn | None:
-    """A term's function; ``load=False`` only checks it (a signature, a spelling), importing nothing."""
-    if callable(term):
-        return term if load else _check_callable(term, getattr(term, "__name__", repr(term)))
-    name = default if term == "auto" else term
-    if ":" not in name:
-        if name not in REWARDS:
-            raise ValueError(f"reward {term!r}: unknown; use one of {sorted(REWARDS)}, 'auto', "
-                             "'module:function', or a weighted sum such as 'math+0.1*format'")
-        return REWARDS[name]
-    if not _IMPORT_PATH.fullmatch(name):
-        raise ValueError(f"reward {term!r}: write an import path as 'module:function'")
-    if not load:
-        return None
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"reward {name!r}: cannot import it ({err})") from None
-    return _check_callable(fn, name)
 
 
 def reward_terms(spec: RewardSpec = "auto") -> tuple[tuple[RewardTerm, float], ...]:
@@ -186,6 +180,6 @@ class WeightedReward:
 
 def make_reward(spec: RewardSpec = "auto", *, default: str = "math") -> WeightedReward:
     """The reward a spec names (see the module docstring); ``"auto"`` means ``default``."""
-    if default == "auto" or default not in REWARDS:
+    if default not in REWARDS:
         raise ValueError(f"reward default={default!r}: use one of {sorted(REWARDS)}")
     return WeightedReward(reward_terms(spec), default)

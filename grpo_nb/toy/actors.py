@@ -43,8 +43,7 @@ class Generator(Source):
 
     @endpoint
     async def update_weights(self, version: int, weights: dict) -> None:
-        if self.pending is None or version > self.pending[0]:
-            self.pending = (version, weights)  # only the newest matters
+        self.pending = (version, weights)  # in order from the trainer: only the newest matters
 
     async def _produce(self) -> None:
         while True:
@@ -74,8 +73,7 @@ class Scorer(Relay):
         self.cfg = cfg
         self.upstream = cfg.generators  # every generator ends its stream with one None
         self.teacher = build_teacher(cfg)
-        self.open_inlet()
-        self.attach(metrics)
+        self.open_inlet(metrics)
 
     async def process(self, group: Group) -> Group:
         group.rewards = (group.actions == best_arm(self.teacher, group.obs)).float()
@@ -93,8 +91,7 @@ class Reference(Relay):
         self.policy = build_policy(cfg)
         self.policy.load_state_dict(weights)
         self.policy.requires_grad_(False)
-        self.open_inlet()
-        self.attach(metrics)
+        self.open_inlet(metrics)
 
     async def process(self, group: Group) -> Group:
         with torch.no_grad():
@@ -114,8 +111,7 @@ class Trainer(Sink):
         eval_gen = torch.Generator().manual_seed(cfg.seed + 4242)
         self.eval_obs = torch.randn(cfg.eval_states, cfg.obs_dim, generator=eval_gen)
         self.eval_best = best_arm(build_teacher(cfg), self.eval_obs)
-        self.open_inlet()
-        self.attach(metrics)
+        self.open_inlet(metrics)
 
     @endpoint
     async def snapshot(self) -> dict:
@@ -127,9 +123,10 @@ class Trainer(Sink):
 
     async def _train(self, generators: Any) -> None:
         cfg = self.cfg
-        ahead = cfg.max_ahead if cfg.mode == "async" else 0
+        # async: keep 1 + max_ahead steps' worth outstanding; sync: one step's, after the update.
+        outstanding = (1 + (cfg.max_ahead if cfg.mode == "async" else 0)) * cfg.groups_per_step
         received = 0
-        send(generators.progress, (0, (1 + ahead) * cfg.groups_per_step), {}, selection="all")
+        send(generators.progress, (0, outstanding), {}, selection="all")
         for step in range(cfg.steps):
             groups = [await self.inbox.recv() for _ in range(cfg.groups_per_step)]
             received += len(groups)
@@ -140,22 +137,12 @@ class Trainer(Sink):
                 await asyncio.sleep(cfg.train_delay_s)  # see ToyConfig.train_delay_s
             send(generators.update_weights, (step + 1, copy.deepcopy(self.policy.state_dict())), {},
                  selection=cfg.selection)
-            # async: keep 1 + max_ahead steps' worth outstanding; sync: one step's, after the update.
-            send(generators.progress, (step + 1, received + (1 + ahead) * cfg.groups_per_step), {},
-                 selection="all")
+            send(generators.progress, (step + 1, received + outstanding), {}, selection="all")
             self.busy.add("train", start)
             self.report("step", **row, queue_depth=depth)
             await asyncio.sleep(0)  # let update_weights / metrics go out between steps
         await self.drain_sources(generators, cfg.generators)
         self.report("exited", actor=self.name, dropped=await self.discard_queued())
-
-    def _evaluate(self) -> tuple[float, float]:
-        """Exact expected reward and mean entropy (nats) over the fixed eval states."""
-        with torch.no_grad():
-            logits = self.policy(self.eval_obs)
-            probs = torch.softmax(logits, dim=-1)
-            entropy = grpo.masked_entropy(logits[:, None], torch.ones(len(logits), 1))
-            return float(probs.gather(1, self.eval_best[:, None]).mean()), entropy
 
     def _step(self, step: int, groups: list[Group]) -> dict[str, Any]:
         cfg = self.cfg
@@ -173,12 +160,14 @@ class Trainer(Sink):
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
-        expected_reward, entropy = self._evaluate()
+        with torch.no_grad():  # exact expected reward and mean entropy (nats) on the eval states
+            logits = self.policy(self.eval_obs)
+            probs = torch.softmax(logits, dim=-1)
         return {
             "step": step + 1,
             "reward": float(rewards.mean()),
-            "expected_reward": expected_reward,
-            "entropy": entropy,
+            "expected_reward": float(probs.gather(1, self.eval_best[:, None]).mean()),
+            "entropy": grpo.masked_entropy(logits[:, None], torch.ones(len(logits), 1)),
             "loss": m["loss"],
             "kl": m["kl"],
             "clip_frac": m["clip_frac_low"] + m["clip_frac_high"],

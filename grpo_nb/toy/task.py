@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ class ToyConfig:
     backend: Literal["asyncio", "monarch"] = "asyncio"
     # A process mesh per role (K + 3 processes on Monarch), or scorer, reference, trainer in one.
     layout: Literal["per_role", "shared"] = "per_role"
+    optimum: ClassVar[float] = 1.0  # the expected reward of always picking the paying arm
 
     def __post_init__(self) -> None:
         lows = {**dict.fromkeys(("steps", "generators", "groups_per_step", "obs_dim", "hidden",
@@ -68,10 +69,6 @@ class ToyConfig:
     def smoke(cls) -> ToyConfig:
         """A few seconds, long enough to watch it learn live."""
         return cls(steps=100, gen_delay_s=0.03)
-
-    @property
-    def optimum(self) -> float:
-        return 1.0
 
     @property
     def random_reward(self) -> float:
@@ -122,7 +119,6 @@ def best_arm(teacher: torch.Tensor, obs: torch.Tensor) -> torch.Tensor:
 
 def policy_logprobs(policy: nn.Module, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
     """log π(a|s) for actions [..., G] taken in states [..., obs_dim] (one state per group)."""
-    logp_all = torch.log_softmax(policy(obs), dim=-1)
-    return logp_all.gather(-1, actions)
+    return torch.log_softmax(policy(obs), dim=-1).gather(-1, actions)
 
 

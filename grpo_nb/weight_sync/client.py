@@ -11,8 +11,6 @@ import httpx
 
 from grpo_nb.serving.net import auth_headers, env_api_key, http
 
-PROMPT_LOGPROBS_TIMEOUT_S = 120.0
-
 
 class WeightSyncError(RuntimeError):
     """A weight sync (or its verification) failed; the trainer's version must not advance."""
@@ -79,8 +77,8 @@ class VLLMControlClient:
                        timeout: float | None = None) -> list[Any]:
         """Call a worker method (worker.py); ``timeout`` bounds this HTTP call only (vLLM's RPC
         timeout would leave a late reply queued for the next call)."""
-        body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}}
-        response = self._request("POST", "collective_rpc", json=body, timeout=timeout)
+        response = self._request("POST", "collective_rpc", timeout=timeout,
+                                 json={"method": method, "kwargs": kwargs or {}})
         return response.json().get("results", []) if response.content else []
 
     def wait_running(self, at_least: int = 1, timeout: float = 10.0) -> bool:
@@ -119,7 +117,7 @@ class VLLMControlClient:
             body = {"model": self.model_name(), "prompt": list(seq), "max_tokens": 1,
                     "temperature": 0.0, "prompt_logprobs": 0}
             reply = self._request("POST", "v1/completions", json=body,
-                                  timeout=max(self.timeout, PROMPT_LOGPROBS_TIMEOUT_S)).json()
+                                  timeout=max(self.timeout, 120.0)).json()
             entries = reply["choices"][0].get("prompt_logprobs") or []
             if len(entries) != len(seq):
                 raise WeightSyncError(f"server returned {len(entries)} prompt log-probs for "

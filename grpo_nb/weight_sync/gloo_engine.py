@@ -8,22 +8,25 @@ import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
+from vllm.distributed.utils import create_tcp_store
 from vllm.distributed.weight_transfer import base
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.nccl_engine import (
+    NCCLTrainerWeightTransferEngine,
+    NCCLWeightTransferUpdateInfo,
+)
 
 from grpo_nb.serving.net import LOOPBACK, is_loopback
 from grpo_nb.weight_sync import verify
 from grpo_nb.weight_sync.config import Phases
 
-PREFIX = "grpo_nb/weight_sync"
 BACKEND = "gloo"
-SYNC_METHOD = "grpo_gloo_sync"  # the worker-extension method (worker.py) that runs one sync
-STATUS_OK, STATUS_ABORTED = 1, 0  # the last broadcast of a sync: did the trainer send it all?
+STATUS_OK = 1  # the last broadcast of a sync: the trainer sent it all
 
 
 def listen_loopback() -> socket.socket:
@@ -36,25 +39,20 @@ def open_group(rank: int, world_size: int, timeout_s: float, *, port: int | None
     """Join a gloo group (blocks): rank 0 hosts the store on ``listen_socket``, others at port.
     Loopback only (the worker loads whatever arrives); torch.distributed's globals untouched."""
     from torch._C._distributed_c10d import ProcessGroup
-    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+    from torch.distributed import PrefixStore, ProcessGroupGloo
 
     if not is_loopback(host):
         raise ValueError(f"open_group(host={host!r}): the weight-transfer group is loopback-only")
-    timeout = timedelta(seconds=timeout_s)
     if listen_socket is not None:
         port = listen_socket.getsockname()[1]
-        fd = listen_socket.detach()  # the store owns the socket from here on
-        try:
-            store = TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
-                             master_listen_fd=fd)
-        except Exception:
-            socket.close(fd)
-            raise
-    elif port is not None:
-        store = TCPStore(host, port, world_size, False, timeout)
-    else:
+    elif port is None:
         raise ValueError("open_group: pass listen_socket (rank 0) or port (other ranks)")
-    prefixed = PrefixStore(PREFIX, store)
+    timeout = timedelta(seconds=timeout_s)
+    # vLLM's helper: the store takes the socket over (closed if the store cannot start)
+    store = create_tcp_store(host, port, listen_socket, world_size=world_size,
+                             is_master=listen_socket is not None, timeout=timeout,
+                             wait_for_workers=False)
+    prefixed = PrefixStore("grpo_nb/weight_sync", store)
     options = ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [ProcessGroupGloo.create_device(hostname=host)]
@@ -83,17 +81,9 @@ class GlooInitInfo(base.WeightTransferInitInfo):
     timeout_s: float = 120.0
 
 
-@dataclass
-class GlooUpdateInfo(base.WeightTransferUpdateInfo):
-    """One update: every tensor's name, dtype and shape, in the order they are broadcast."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-
-    def __post_init__(self) -> None:
-        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
-            raise ValueError("GlooUpdateInfo: names, dtype_names and shapes differ in length")
+class GlooUpdateInfo(NCCLWeightTransferUpdateInfo):
+    """One update: every tensor's name, dtype and shape, in the order they are broadcast
+    (the fields of vLLM's NCCL update, checked alike)."""
 
 
 class SendSource(base.ModuleSource):
@@ -104,8 +94,7 @@ class SendSource(base.ModuleSource):
         self.dtype = dtype
 
     def metadata(self) -> list[base.ParamMeta]:
-        return [base.ParamMeta(name, self.dtype, tuple(p.shape))
-                for name, p in self._module.named_parameters()]
+        return [replace(m, dtype=self.dtype) for m in super().metadata()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return verify.sent_tensors(self._module, self.dtype)
@@ -116,7 +105,6 @@ class GlooTrainerInitInfo(base.TrainerInitInfo):
     """Trainer-side init info: two ranks on loopback, the store's port chosen as it binds."""
 
     backend: ClassVar[str] = BACKEND
-
     timeout_s: float = 120.0
 
 
@@ -126,8 +114,8 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
     init_info_cls = GlooTrainerInitInfo
 
     def __init__(self, *, client: base.VLLMWeightSyncClient, source: base.WeightSource,
-                 is_sender: bool = True, timeout_s: float = 120.0) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
+                 timeout_s: float) -> None:
+        super().__init__(client=client, source=source)  # the sender: rank 0 of two
         self.timeout_s = timeout_s
         self.group: Any = None
         self.last: dict[str, float] = {}  # the last send's timings in ms, both sides
@@ -137,10 +125,7 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: base.VLLMWeightSyncClient,
                      source: base.WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
-        if source is None:
-            raise ValueError("the gloo weight transfer needs a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
-                     timeout_s=init_info.timeout_s)
+        engine = cls(client=client, source=source, timeout_s=init_info.timeout_s)
         sock = listen_loopback()
         worker_info = GlooInitInfo(LOOPBACK, sock.getsockname()[1], 2, rank_offset=1,
                                    timeout_s=init_info.timeout_s)
@@ -149,9 +134,6 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
             rpc = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
             try:
                 engine.group = open_group(0, 2, init_info.timeout_s, listen_socket=sock)
-            except BaseException:
-                sock.close()
-                raise
             finally:
                 rpc.result()  # surface the server's error (e.g. unknown backend) first
         return engine
@@ -163,20 +145,25 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         info = GlooUpdateInfo(names=[m.name for m in meta],
                               dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                               shapes=[list(m.shape) for m in meta])
+        # vLLM's check that each tensor is the one metadata() announced (name, dtype, shape)
+        tensors = NCCLTrainerWeightTransferEngine._checked_iter(self.source, meta)
         timed, works = Phases(), []
         keep: list[torch.Tensor] = []  # the posted sends read these asynchronously
         try:
             with timed("rpc"):
-                rpc = self._rpc_pool.submit(
-                    self.client.collective_rpc, SYNC_METHOD,  # type: ignore[attr-defined]
+                rpc = self._rpc_pool.submit(  # worker.py's method: receive and load, one RPC
+                    self.client.collective_rpc, "grpo_gloo_sync",  # type: ignore[attr-defined]
                     {"update_info": asdict(info), "record": record}, self.timeout_s)
                 with timed("transfer"):
-                    failure = self._post_sends(meta, works, keep)
+                    # One broadcast per tensor (a view of the parameter's own storage: no copy
+                    # unless on GPU or strided), then the status word.
+                    for _, tensor in tensors:
+                        flat = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+                        keep.append(flat)
+                        works.append(self.group.broadcast(flat, 0))
+                    keep.append(torch.tensor([STATUS_OK], dtype=torch.int32))
+                    works.append(self.group.broadcast(keep[-1], 0))
                     _wait_all(works, rpc, time.monotonic() + self.timeout_s)
-                if failure is not None:
-                    with contextlib.suppress(Exception):  # the worker reports "aborted": ours
-                        rpc.result()                      # is the cause worth raising
-                    raise failure
                 results = rpc.result()
         except BaseException:
             # Close our sockets so the worker's pending receives fail now, not at the timeout.
@@ -184,30 +171,6 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
             raise
         server = results[0] if results and isinstance(results[0], dict) else {}
         self.last = {**timed, **{key.removesuffix("_ms"): ms for key, ms in server.items()}}
-
-    def _post_sends(self, meta: list[base.ParamMeta], works: list[Any],
-                    keep: list[torch.Tensor]) -> Exception | None:
-        """Post one broadcast per tensor, then the status word; a failure midway sends zeros
-        for the rest and "aborted", so the waiting worker fails at once (returned)."""
-        failure: Exception | None = None
-        try:
-            for m, (name, tensor) in zip(meta, self.source, strict=True):
-                if name != m.name or tuple(tensor.shape) != tuple(m.shape):
-                    raise ValueError(f"weight source changed under us: {name!r} vs {m.name!r}")
-                # A view of the parameter's own storage: no copy unless on GPU or strided.
-                flat = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-                keep.append(flat)
-                works.append(self.group.broadcast(flat, 0))
-        except Exception as err:
-            failure = err
-            sizes = [torch.Size(m.shape).numel() * m.dtype.itemsize for m in meta[len(works):]]
-            zeros = torch.zeros(max(sizes, default=0), dtype=torch.uint8)
-            works.extend(self.group.broadcast(zeros[:n], 0) for n in sizes)
-            keep.append(zeros)
-        status = torch.tensor([STATUS_ABORTED if failure else STATUS_OK], dtype=torch.int32)
-        keep.append(status)
-        works.append(self.group.broadcast(status, 0))
-        return failure
 
     def shutdown(self) -> None:
         # Never join the RPC thread: after a failure it may still wait on a dead server.

@@ -9,12 +9,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from grpo_nb import grpo
 from grpo_nb.serving.net import free_port
@@ -66,6 +65,8 @@ class WeightSyncer:
         if self.engine is not None or self.cfg.transport == "reload":
             return
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         from grpo_nb.weight_sync.gloo_engine import GlooTrainerInitInfo, SendSource
 
@@ -78,19 +79,14 @@ class WeightSyncer:
         if self.cfg.transport == "gloo":
             info: Any = GlooTrainerInitInfo(timeout_s=self.cfg.timeout_s, rank=0)
         elif self.cfg.transport == "nccl":
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
             info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0)
         else:
-            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
             info = IPCTrainerInitInfo(rank=0)
+        source = SendSource(self.model, self.send_dtype())  # asks the server: its own error
         try:
             with device_scope(device):
                 self.engine = WeightTransferTrainerFactory.trainer_init(
-                    info, client=self.client, source=SendSource(self.model, self.send_dtype()))
-        except WeightSyncError:
-            raise
+                    info, client=self.client, source=source)
         except Exception as err:
             raise WeightSyncError(f"could not join the server's {self.cfg.transport} weight "
                                   f"transfer: {type(err).__name__}: {err}") from err
@@ -203,28 +199,27 @@ class WeightSyncer:
     def _bounded(self, send: Callable[[], None]) -> None:
         """One transfer on a daemon thread, abandoned after ``timeout_s`` + ``GRACE_S``."""
         limit = self.cfg.timeout_s + GRACE_S
-        done: Future = Future()
-        device = self._device()
+        device, failed = self._device(), []
 
         def run() -> None:
             try:
                 with device_scope(device):
-                    done.set_result(send())
+                    send()
             except BaseException as err:  # handed to the waiting thread
-                done.set_exception(err)
+                failed.append(err)
 
-        threading.Thread(target=run, daemon=True, name="grpo-transfer").start()
-        try:
-            done.result(timeout=limit)
-        except FutureTimeout:
+        thread = threading.Thread(target=run, daemon=True, name="grpo-transfer")
+        thread.start()
+        thread.join(limit)
+        if thread.is_alive():
             raise WeightSyncError(
                 f"{self.cfg.transport} transfer did not finish within {limit:.0f} s "
                 f"(WeightSyncConfig.timeout_s={self.cfg.timeout_s} + {GRACE_S:.0f} s): "
-                "abandoned, its group closed") from None
+                "abandoned, its group closed")
+        if failed:
+            raise failed[0]
 
     def _reload(self, phases: Phases) -> None:
-        from safetensors.torch import save_file
-
         if self._tmp is None:
             self._tmp = Path(tempfile.mkdtemp(prefix="grpo_nb_weights_"))
         with phases("transfer"):  # what every transport sends, as the safetensors vLLM reads

@@ -8,37 +8,19 @@ from typing import Any
 
 import torch
 from vllm.config import set_current_vllm_config
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.base import layerwise_groups
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
 from grpo_nb.weight_sync import gloo_engine as gloo
 from grpo_nb.weight_sync.config import Phases
 from grpo_nb.weight_sync.verify import digest
 
-ALIGN = 16
+ALIGN = 16  # bytes: every receive slot starts aligned, so it is viewed as its dtype, no copy
 
 
-def plan_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[list[int], int]:
-    """Byte offset of each tensor in the receive buffer (16-byte aligned), and its size."""
-    offsets, total = [], 0
-    for dtype, shape in zip(dtypes, shapes, strict=True):
-        offsets.append(total)
-        total += torch.Size(shape).numel() * dtype.itemsize
-        total = (total + ALIGN - 1) // ALIGN * ALIGN  # each slot viewed as its dtype, no copy
-    return offsets, total
-
-
-def layer_key(name: str) -> str:
-    """``model.layers.3.mlp.up_proj.weight`` → ``model.layers.3``: tensors loaded together."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:i + 1])
-    return name
-
-
-def refresh_tied_heads(model: torch.nn.Module) -> int:
-    """Rebuild the kernel state of every ``lm_head`` tied to the embedding (how many): the
+def refresh_tied_heads(model: torch.nn.Module) -> None:
+    """Rebuild the kernel state of every ``lm_head`` tied to the embedding: the
     layerwise reload never processes it, so its CPU kernel would keep the old packed weights."""
     from vllm.model_executor.layers import vocab_parallel_embedding as vpe
 
@@ -53,21 +35,17 @@ def refresh_tied_heads(model: torch.nn.Module) -> int:
             raise RuntimeError(f"a tied lm_head with {type(head.quant_method).__name__} cannot "
                                "be rebuilt after a weight update")
         head.quant_method.process_weights_after_loading(head)
-    return len(heads)
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[gloo.GlooInitInfo, gloo.GlooUpdateInfo]):
-    """Worker-side engine: receives every tensor into a persistent buffer, loads per layer."""
+class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+    """Worker-side engine: receives every tensor into a persistent buffer, loads per layer;
+    its update starts and finishes as vLLM's NCCL engine's (layerwise reload)."""
 
     init_info_cls = gloo.GlooInitInfo
     update_info_cls = gloo.GlooUpdateInfo
     supports_draft_weight_update = False
-
-    def __init__(self, config, vllm_config, device, model) -> None:  # noqa: ANN001 (vLLM's)
-        super().__init__(config, vllm_config, device, model)
-        self.group: Any = None
-        self.buffer: torch.Tensor | None = None  # kept for the server's lifetime
-        self.last_timings: dict[str, float] = {}
+    group: Any = None  # the trainer's gloo group, once it has joined
+    buffer: torch.Tensor | None = None  # every update's receive slots: kept for the server's life
 
     def init_transfer_engine(self, init_info: gloo.GlooInitInfo) -> None:
         self.shutdown()  # a trainer that reconnects replaces its previous group
@@ -75,15 +53,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[gloo.GlooInitInfo, gloo.Gloo
         self.group = gloo.open_group(rank, init_info.world_size, init_info.timeout_s,
                                 port=init_info.master_port, host=init_info.master_address)
 
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        super().finish_weight_update()
         refresh_tied_heads(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -92,12 +63,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[gloo.GlooInitInfo, gloo.Gloo
         self.receive_weights(self.parse_update_info(update_info))
 
     def _slots(self, info: gloo.GlooUpdateInfo) -> list[torch.Tensor]:
-        dtypes = [getattr(torch, name) for name in info.dtype_names]
-        offsets, total = plan_layout(dtypes, info.shapes)
-        if self.buffer is None or self.buffer.numel() != total:
-            self.buffer = torch.empty(total, dtype=torch.uint8)
-        return [self.buffer[o:o + torch.Size(s).numel() * d.itemsize]
-                for o, s, d in zip(offsets, info.shapes, dtypes, strict=True)]
+        """One slot per tensor in the persistent buffer, each padded to ``ALIGN`` bytes."""
+        sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+                 for dtype, shape in zip(info.dtype_names, info.shapes, strict=True)]
+        padded = [(n + ALIGN - 1) // ALIGN * ALIGN for n in sizes]
+        if self.buffer is None or self.buffer.numel() != sum(padded):
+            self.buffer = torch.empty(sum(padded), dtype=torch.uint8)
+        return [slot[:n] for slot, n in zip(self.buffer.split(padded), sizes, strict=True)]
 
     def receive_weights(self, update_info: gloo.GlooUpdateInfo) -> None:
         if self.group is None:
@@ -110,19 +82,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[gloo.GlooInitInfo, gloo.Gloo
         status_work = self.group.broadcast(status, 0)
         timed, batch = Phases(wait_ms=0.0, load_ms=0.0), []
         names = update_info.names
+        # vLLM's partition: one group per decoder layer, its tensors loaded together
+        layer = {name: k for k, members in enumerate(layerwise_groups(names)) for name in members}
         for i, (name, dtype_name, shape, slot, work) in enumerate(zip(
                 names, update_info.dtype_names, update_info.shapes, slots, works, strict=True)):
             with timed("wait_ms"):
                 work.wait()
             batch.append((name, slot.view(getattr(torch, dtype_name)).view(shape)))
-            if i + 1 == len(names) or layer_key(names[i + 1]) != layer_key(name):
+            if i + 1 == len(names) or layer[names[i + 1]] != layer[name]:
                 with timed("load_ms"):
                     self.model.load_weights(batch)
                 batch = []
         status_work.wait()
         if int(status.item()) != gloo.STATUS_OK:
-            raise RuntimeError("the trainer aborted this weight transfer midway (its error is "
-                               "raised there); the layers loaded so far hold partly new weights")
+            raise RuntimeError("the trainer's last broadcast is not STATUS_OK: it did not send "
+                               "every tensor; the layers loaded so far hold partly new weights")
         self.last_timings = dict(timed)
 
     def shutdown(self) -> None:
@@ -176,10 +150,6 @@ def _recorder(worker: Any) -> _Recorder:
 class GrpoWorkerExtension:
     """Mixed into vLLM's worker class; every method name must be new to that class."""
 
-    def grpo_transfer_backends(self) -> list[str]:
-        """The weight-transfer engines this worker can create (proves the extension loaded)."""
-        return sorted(WeightTransferEngineFactory._registry)
-
     def grpo_meta_tensors(self) -> list[str]:
         """Names of model tensors left on the meta device (a forward pass would fail)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -205,34 +175,27 @@ class GrpoWorkerExtension:
         """``[name, digest]`` of each tensor the last armed update loaded (``None``: none)."""
         return _recorder(self).read()
 
-    def grpo_abort_update(self) -> dict[str, bool]:
+    def grpo_abort_update(self) -> None:
         """After a failed sync: close the update, finish half-loaded layers, leave the group."""
         from vllm.model_executor.model_loader.reload import layerwise
 
         worker: Any = self
-        done = {"finished": False, "reloaded": False}
         if getattr(worker, "_weight_update_active", False):
             worker.finish_weight_update()
-            done["finished"] = True
         model = worker.model_runner.get_model()
         info = layerwise.LAYERWISE_INFO
         if any(info[m].can_load() for m in model.modules() if m in info):
             with set_current_vllm_config(worker.vllm_config):
                 layerwise.finalize_layerwise_reload(model, worker.model_config)
-            done["reloaded"] = True
         if worker.weight_transfer_engine is not None:
             worker.weight_transfer_engine.shutdown()
-        return done
 
     def grpo_gloo_sync(self, update_info: dict[str, Any],
                        record: bool = False) -> dict[str, float]:
         """vLLM's start → update → finish as one RPC (timings in ms); a failed receive still
         finishes the update, so no layer stays on the meta device."""
         worker: Any = self
-        engine = worker.weight_transfer_engine
-        if not isinstance(engine, GlooWeightTransferEngine) or engine.group is None:
-            raise RuntimeError("grpo_gloo_sync needs the gloo weight-transfer engine, "
-                               "initialised (call /init_weight_transfer_engine first)")
+        engine = worker.weight_transfer_engine  # gloo's: another refuses gloo's init info
         _recorder(self).begin(record)
         timed = Phases()
         with timed("start_ms"):
