@@ -346,7 +346,7 @@ def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic
         api = next(p for p in ours if "--port" in p.cmdline())
         argv = api.cmdline()
         check_keyed_server(key, {"url": f"http://127.0.0.1:{argv[argv.index('--port') + 1]}",
-                                 "model": argv[argv.index("--served-model-name") + 1],
+                                 "model": argv[argv.index("--model") + 1],
                                  "log": os.readlink(f"/proc/{api.pid}/fd/1")}, ours)
         cli.send_signal(signal.SIGKILL)
         killed = time.monotonic()

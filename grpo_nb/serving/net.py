@@ -3,20 +3,23 @@ routes and the gloo store trust whoever connects), and every HTTP call goes thro
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import os
 import socket
+import threading
 
 import httpx
 
 LOOPBACK = "127.0.0.1"
+_LOCAL = threading.local()
 
 
-@functools.cache
 def http() -> httpx.Client:
-    """One ``httpx.Client`` for every thread (connections kept alive; httpx shares it safely)."""
-    return httpx.Client()
+    """This thread's ``httpx.Client`` (connections kept alive). A sync calls from two threads: one
+    client each, so a connection a failed call on one thread left closed is not reused by the other."""
+    if getattr(_LOCAL, "client", None) is None:
+        _LOCAL.client = httpx.Client()
+    return _LOCAL.client
 
 
 def env_api_key() -> str | None:

@@ -26,7 +26,7 @@ from grpo_nb.weight_sync import verify
 from grpo_nb.weight_sync.config import Phases
 
 BACKEND = "gloo"
-STATUS_OK = 1  # the last broadcast of a sync: the trainer sent it all
+STATUS_OK, STATUS_ABORTED = 1, 0  # the last broadcast of a sync: did the trainer send it all?
 
 
 def listen_loopback() -> socket.socket:
@@ -155,15 +155,12 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
                     self.client.collective_rpc, "grpo_gloo_sync",  # type: ignore[attr-defined]
                     {"update_info": asdict(info), "record": record}, self.timeout_s)
                 with timed("transfer"):
-                    # One broadcast per tensor (a view of the parameter's own storage: no copy
-                    # unless on GPU or strided), then the status word.
-                    for _, tensor in tensors:
-                        flat = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-                        keep.append(flat)
-                        works.append(self.group.broadcast(flat, 0))
-                    keep.append(torch.tensor([STATUS_OK], dtype=torch.int32))
-                    works.append(self.group.broadcast(keep[-1], 0))
+                    failure = self._post_sends(meta, tensors, works, keep)
                     _wait_all(works, rpc, time.monotonic() + self.timeout_s)
+                if failure is not None:
+                    with contextlib.suppress(Exception):  # the worker reports "aborted": ours
+                        rpc.result()                      # is the cause worth raising
+                    raise failure
                 results = rpc.result()
         except BaseException:
             # Close our sockets so the worker's pending receives fail now, not at the timeout.
@@ -171,6 +168,29 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
             raise
         server = results[0] if results and isinstance(results[0], dict) else {}
         self.last = {**timed, **{key.removesuffix("_ms"): ms for key, ms in server.items()}}
+
+    def _post_sends(self, meta: list[base.ParamMeta], tensors: Iterator[tuple[str, torch.Tensor]],
+                    works: list[Any], keep: list[torch.Tensor]) -> Exception | None:
+        """Post one broadcast per tensor, then the status word. A failure midway sends zeros for
+        the rest and "aborted", so the waiting worker fails at once, whatever gloo does with a
+        closed peer (returned)."""
+        failure: Exception | None = None
+        try:
+            for _, tensor in tensors:
+                # A view of the parameter's own storage: no copy unless on GPU or strided.
+                flat = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+                keep.append(flat)
+                works.append(self.group.broadcast(flat, 0))
+        except Exception as err:
+            failure = err
+            sizes = [torch.Size(m.shape).numel() * m.dtype.itemsize for m in meta[len(works):]]
+            zeros = torch.zeros(max(sizes, default=0), dtype=torch.uint8)
+            works.extend(self.group.broadcast(zeros[:n], 0) for n in sizes)
+            keep.append(zeros)
+        status = torch.tensor([STATUS_ABORTED if failure else STATUS_OK], dtype=torch.int32)
+        keep.append(status)
+        works.append(self.group.broadcast(status, 0))
+        return failure
 
     def shutdown(self) -> None:
         # Never join the RPC thread: after a failure it may still wait on a dead server.

@@ -95,8 +95,8 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
                 batch = []
         status_work.wait()
         if int(status.item()) != gloo.STATUS_OK:
-            raise RuntimeError("the trainer's last broadcast is not STATUS_OK: it did not send "
-                               "every tensor; the layers loaded so far hold partly new weights")
+            raise RuntimeError("the trainer aborted this weight transfer midway (its error is "
+                               "raised there); the layers loaded so far hold partly new weights")
         self.last_timings = dict(timed)
 
     def shutdown(self) -> None:
