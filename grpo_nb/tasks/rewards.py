@@ -164,13 +164,13 @@ class WeightedReward:
     default: str = "math"
 
     def __post_init__(self) -> None:
-        for term, _ in self.terms:
-            _resolve(term, self.default)  # an import path that fails, fails here
+        # resolved once, not for every completion (an import path that fails, fails here)
+        object.__setattr__(self, "_fns", tuple(_resolve(t, self.default) for t, _ in self.terms))
 
     def __call__(self, completion_text: str, answer: str) -> float:
         total = 0.0
-        for term, weight in self.terms:
-            value = _resolve(term, self.default)(completion_text, answer)
+        for (term, weight), fn in zip(self.terms, self._fns, strict=True):
+            value = fn(completion_text, answer)
             try:
                 total += weight * float(value)
             except (TypeError, ValueError):
