@@ -16,6 +16,7 @@ import io
 import re
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -184,12 +185,44 @@ def test_04_ex1_mixed_groups_against_temperature(learning_mode: None) -> None:
 
 
 def test_04_ex2_format_bonus(learning_mode: None) -> None:
-    spec = 'tasks.make_reward("math+0.2*format")'
-    judge_04("04_ex2", ("abd6c76d", "b83d5f16"), "bonus_problems", "bonus_groups", {
-        "no bonus": (spec, "score"),
-        "the 0.1 bonus": (spec, 'tasks.make_reward("math+0.1*format")'),
-        "too few prompts": ("prompts[:4]", "prompts[:2]"),
-    })
+    """The groups: wrong prompts or reward fail. The exploit, `never_right(answer)`: a right
+    answer in any spelling fails, so does one that earns nothing; any paid wrong answer passes."""
+
+    async def scenario() -> None:
+        ns = await at_exercise_04("abd6c76d", "b83d5f16", FakeVLLM())
+        checker = ns["bonus_problems"]
+        groups, exploit = (solution("04_ex2", ns, n) for n in ("bonus_groups", "never_right"))
+        assert not await verdict("04_ex2", checker, groups), "the stub never_right passes"
+        ns["never_right"] = exploit
+        spec = 'tasks.make_reward("math+0.2*format")'
+        await judge("04_ex2", checker, ns, "bonus_groups", variants("04_ex2", ns, "bonus_groups", {
+            "no bonus": (spec, "score"),
+            "the 0.1 bonus": (spec, 'tasks.make_reward("math+0.1*format")'),
+            "too few prompts": ("prompts[:4]", "prompts[:2]"),
+            "every prompt": ("prompts[:4]", "prompts"),
+            "the last four prompts": ("prompts[:4]", "prompts[-4:]"),
+            "four prompts from the second": ("prompts[:4]", "prompts[1:5]"),
+            "the first four in another order": ("prompts[:4]", "prompts[3::-1]"),
+            "groups of 2": ("cfg,", "cfg.replace(group_size=2),"),
+        }))
+        for label, wrong in {
+                "the answer itself": lambda a: a,
+                "the answer without its leading zeros": lambda a: a.lstrip("0") or "0",
+                "minus the answer (right for a zero)": lambda a: "-" + a,
+                "a fixed 7 (right for 0007)": lambda a: "7",
+                "the right answer boxed": lambda a: f"\\boxed{{{a}}}",
+                "words": lambda a: "I do not know",
+                "a wrong number in a sentence": lambda a: f"The answer is {int(a) + 1}.",
+                "two numbers": lambda a: f"{a} {int(a) + 1}",
+                "an int, not a completion": lambda a: int(a) + 1,
+        }.items():
+            ns["never_right"] = wrong
+            assert not await verdict("04_ex2", checker, groups), f"never_right: {label} passes"
+        for other in (lambda a: a + "1", lambda a: "\\boxed{?}", exploit):  # paid, never right
+            ns["never_right"] = other
+            assert await verdict("04_ex2", checker, groups), "a right never_right fails"
+
+    asyncio.run(scenario())
 
 
 def test_04_ex3_abort_requests_in_flight(learning_mode: None) -> None:
@@ -468,9 +501,11 @@ def test_01_ex3_bounded_queue(learning_mode: None) -> None:
 
 # 02: mean staleness per generator; an on-policy ring
 NB02 = "02_toy_grpo_ring.ipynb"
-# Unequal numbers of groups per generator: an unweighted mean of means is not the run's mean.
-STEPS_02 = [(["gen0", "gen1"], [0, 1]), (["gen0", "gen0"], [1, 2]), (["gen2", "gen0"], [3, 0]),
-            (["gen1", "gen0"], [2, 1])]
+# As in the notebook's main run, every generator sent as many groups: there the run's weighted
+# mean alone cannot tell the right means from the same means under other generators, or from the
+# run's mean for each. The checker's own made-up run has unequal numbers of groups.
+STEPS_02 = [(["gen0", "gen1"], [0, 2]), (["gen1", "gen0"], [3, 1]), (["gen0", "gen1"], [1, 2]),
+            (["gen1", "gen0"], [1, 2])]
 
 
 def namespace_02() -> dict[str, Any]:
@@ -494,17 +529,62 @@ def per_step_means(r: MetricsRecorder) -> dict:
     return {s: statistics.fmean(v) for s, v in out.items()}
 
 
+def per_step_then_mean(r: MetricsRecorder) -> dict:
+    """Wrong: a generator's groups averaged within each step first, then those means averaged."""
+    out: dict = {}
+    for row in r.rows("step"):
+        mine: dict = {}
+        for src, s in zip(row["sources"], row["staleness"], strict=True):
+            mine.setdefault(src, []).append(s)
+        for src, v in mine.items():
+            out.setdefault(src, []).append(statistics.fmean(v))
+    return {s: statistics.fmean(v) for s, v in out.items()}
+
+
 def test_02_ex1_staleness_by_generator(learning_mode: None) -> None:
     async def scenario() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             ns = await run_cells(NB02, ["9c8ecb19", "e1c7a2b4"], namespace_02())
         right = solution("02_ex1", ns, "staleness_by_generator")
-        assert right(ns["rec"]) == {"gen0": 0.8, "gen1": 1.5, "gen2": 3.0}
+        assert right(ns["rec"]) == {"gen0": 1.0, "gen1": 2.0}
+        assert right(ns["made_up"]) == {"gen0": 0.8, "gen1": 1.5, "gen2": 3.0}
+
+        def rotated(r: MetricsRecorder) -> dict:  # the right means, each under the next generator
+            means = right(r)
+            keys = sorted(means)
+            return {k: means[keys[i - 1]] for i, k in enumerate(keys)}
+
+        def run_mean(r: MetricsRecorder) -> dict:
+            every = [s for row in r.rows("step") for s in row["staleness"]]
+            return dict.fromkeys(right(r), statistics.fmean(every))
+
         off_by = {d: (lambda r, d=d: {s: v + d for s, v in right(r).items()}) for d in (5, 0.01)}
-        await judge("02_ex1", ns["staleness_problems"], ns, "staleness_by_generator",
-                    {"off by 5": off_by[5], "off by 0.01": off_by[0.01],
-                     "per-step means": per_step_means,
-                     "generator indices": lambda r: dict(enumerate(right(r).values()))})
+        main_run = right(ns["rec"])
+        await judge("02_ex1", ns["staleness_problems"], ns, "staleness_by_generator", {
+            "the means permuted": rotated,
+            "the run's mean for every generator": run_mean,
+            "the means of the main run, hard-coded": lambda r: dict(main_run),
+            "per-step means": per_step_means,
+            "per-step means of each generator's groups, then averaged": per_step_then_mean,
+            "the stalest group of each": lambda r: {s: max(v) for s, v in
+                                                    ns["groups_by_source"](r).items()},
+            "off by 5": off_by[5], "off by 0.01": off_by[0.01],
+            "generator indices": lambda r: dict(enumerate(right(r).values())),
+            "strings": lambda r: {s: str(v) for s, v in right(r).items()},
+        })
+        # what the learner reads for those two
+        for wrong, why in ((rotated, "under the wrong generators"), (run_mean, "the run's mean")):
+            assert any(why in p for p in ns["staleness_problems"](wrong)), why
+
+        def by_counters(r: MetricsRecorder) -> dict:  # another right answer, written otherwise
+            total, count = Counter(), Counter()
+            for row in r.rows("step"):
+                for src, s in zip(row["sources"], row["staleness"], strict=True):
+                    total[src] += s
+                    count[src] += 1
+            return {src: total[src] / count[src] for src in count}
+
+        assert await verdict("02_ex1", ns["staleness_problems"], by_counters)
 
     asyncio.run(scenario())
 
@@ -676,7 +756,7 @@ class FakeMonarch:
         return self
 
     def spawn(self, name: str, cls: type) -> FakeMonarch:
-        self.echo = SimpleNamespace(call=self.call)
+        self.echo = SimpleNamespace(call=self.call, choose=self.call)
         return self
 
     async def call(self, x: Any) -> Any:
@@ -693,27 +773,48 @@ class Echo(Actor):
         return x
 
 
-def namespace_06() -> dict[str, Any]:
-    """Notebook 06 at its exercise: both runtimes, section 1's measured start (2 processes)."""
+def namespace_06(monarch: bool = True) -> dict[str, Any]:
+    """Notebook 06 at its exercise: its runtimes (asyncio, and the fake Monarch if ``monarch``),
+    section 1's measured start (2 processes)."""
     fake = FakeMonarch()
-    backends = {"asyncio": actors.backend("asyncio"), "monarch": fake}
-    return {"exercises": exercises, "time": time, "Echo": Echo, "RUNTIMES": list(backends),
+    backends = {"asyncio": actors.backend("asyncio"), **({"monarch": fake} if monarch else {})}
+    return {"exercises": exercises, "time": time, "asyncio": asyncio, "endpoint": endpoint,
+            "Echo": Echo, "RUNTIMES": list(backends),
             "actors": SimpleNamespace(backend=backends.__getitem__),
             "class_for": lambda cls, api: cls if api is fake else actors.class_for(cls, api),
             "costs": {"asyncio": {"start_s": 1e-4}, "monarch": {"start_s": FAKE_START_S}}}
 
 
-def test_06_ex1_start_cost(learning_mode: None) -> None:
+NOT_CHECKED_06 = "Not checked without Monarch"
+
+
+@pytest.mark.parametrize("monarch", [True, False], ids=["fake Monarch", "without Monarch"])
+def test_06_ex1_start_cost(learning_mode: None, monarch: bool) -> None:
+    """Without Monarch the checker still fails these wrong answers, on asyncio with a stand-in
+    Echo that takes a set time to answer, and prints what it could not check."""
     async def scenario() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
-            ns = await run_cells(NB06, ["e63f72c3", "0ce58591"], namespace_06())
+            ns = await run_cells(NB06, ["e63f72c3", "0ce58591"], namespace_06(monarch))
         wait = "    await mesh.echo.call(0)\n    elapsed = time.perf_counter() - t0\n"
         wrong = variants("06_ex1", ns, "start_cost", {
             "the spawn only, not the first answer":
                 (wait, "    elapsed = time.perf_counter() - t0\n    await mesh.echo.call(0)\n"),
             "milliseconds": ("return elapsed", "return elapsed * 1000"),
             "an int": ("return elapsed", "return round(elapsed)"),
+            "one process whatever n": ('per_host={"gpus": n}', 'per_host={"gpus": 1}'),
+            "one actor's answer": ("mesh.echo.call(0)", "mesh.echo.choose(0)"),
+            "never stopped": ("    await mesh.stop()\n    await procs.stop()\n", ""),
+            "section 1's number, not measured": ("return elapsed", 'return costs[name]["start_s"]'),
+            "a fixed guess": ("return elapsed", "return 0.5"),
         })
         await judge("06_ex1", ns["start_cost_problems"], ns, "start_cost", wrong)
+        assert ns["Echo"] is Echo, "the checker puts the notebook's Echo back"
+        # the whole checker cell, on the solution: ✓, and without Monarch what was not checked
+        ns["start_cost"] = solution("06_ex1", ns, "start_cost")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            await run_cells(NB06, ["0ce58591"], ns)
+        assert out.getvalue().startswith("✓ 06_ex1"), out.getvalue()
+        assert (NOT_CHECKED_06 in out.getvalue()) is not monarch, out.getvalue()
 
     asyncio.run(scenario())

@@ -10,3 +10,9 @@ async def bonus_groups() -> list[Group]:
     # getting an answer right, so the bonus must stay small beside the answer's 1.0.
     return await rollouts.sample_groups(client, prompts[:4], cfg,
                                         reward=tasks.make_reward("math+0.2*format"))
+
+
+def never_right(answer: str) -> str:
+    # A bare number one off the answer: the math term pays nothing, the format term its 0.2
+    # for the shape alone. A policy that answers every prompt this way is paid 0.2 a sample.
+    return str(int(answer) + 1)
