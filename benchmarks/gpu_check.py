@@ -8,13 +8,22 @@
                byte-level BPE, chat template) and its GSM8K-format file, built in a temp folder,
                vLLM-CPU and the gloo engine; ``--backend monarch`` puts the trainer in its own
                process
-    ─► prints ONE JSON line: tokens/s, step time, sync ms, peak memory, weights verified,
-       accuracy before/after, the transport used, what failed and why
-    --probe    what needs neither vLLM nor the Hub (benchmarks/gpu_probe.py): the device each
-               thread sees, a CUDA-IPC round trip between two processes, bf16-vs-fp32
-               ``step_changed_frac`` on a random-weight model of Qwen3-0.6B's shape, peak
-               memory of a training step with the server's share of the GPU held; without
-               CUDA its CUDA checks say ``"skipped": "no CUDA"``. ``--small``: a reduced shape
+    ─► prints ONE JSON line: what a first GPU run must show (benchmarks/gpu_report.py):
+       ``tis_weight_mean`` and ``tis_capped_frac`` (under bf16 with ratio_against="trainer"
+       the only trainer-vs-vLLM agreement figures), ``sent_changed_frac``, ``truncated_frac``,
+       ``throughput`` (generated tokens/s of the steady steps), ``phases`` (seconds per
+       phase), ``memory`` (peaks of the server's and the trainer's processes); and weights
+       verified, accuracy before/after, the transport used, what failed and why
+       (``tokens_per_s``: trained tokens over the ring's whole wall time, its first sync,
+       evaluations and checkpoints included). No checkpoint is written (Qwen3-0.6B's with
+       its AdamW state: ≈ 7 GB) unless ``--checkpoints``
+    --probe    what needs only torch and transformers (benchmarks/gpu_probe.py): the device
+               each thread sees, ~300 tensors sent over CUDA IPC as the syncer sends them,
+               bf16-vs-fp32 ``step_changed_frac`` on a random-weight model of Qwen3-0.6B's
+               shape, two training steps' time and memory at the GPU run's and the CLI
+               default's batch with the server's share of the GPU held, the trainer's step
+               time beside a decode loop in a second process; without CUDA its CUDA checks
+               say ``"skipped": "no CUDA"``. ``--small``: a reduced shape
 
 Budget on one H200: model + data download (when not cached) + server start + ``--steps``
 steps, a few minutes. ``--model`` / ``--dataset`` take local copies when offline.
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -36,6 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +62,42 @@ DRY_RUN = dict(prompts_per_step=2, group_size=2, generators=1, max_inflight=4,
 
 
 def config(args: argparse.Namespace, model: str, dataset: str) -> Any:
-    """The run's LLMConfig: only the model, the data and the sizes differ from the defaults."""
+    """The run's LLMConfig: only the model, the data and the sizes differ from the defaults
+    (no checkpoint during the run: the one at its end, with ``--checkpoints`` only)."""
     from grpo_nb.llm.config import LLMConfig
 
     sizes = DRY_RUN if args.dry_run else GPU_RUN
     extra = {"device": "cpu"} if args.dry_run else {}
     return LLMConfig(model=model, dataset=dataset, steps=args.steps, eval_every=args.steps,
-                     checkpoint_every=args.steps, **sizes, **extra)
+                     checkpoint_every=args.steps + 1, **sizes, **extra)
+
+
+@contextlib.contextmanager
+def checkpoints(args: argparse.Namespace) -> Iterator[str]:
+    """Unless ``--checkpoints``, the trainer's end-of-run save is skipped (patched in this
+    process: the asyncio backend's trainer runs here); yields what the report says of it."""
+    if args.checkpoints:
+        yield "written (--checkpoints)"
+        return
+    if args.backend == "monarch":  # the trainer's own process: a patch here cannot reach it
+        yield "written: --backend monarch runs the trainer in its own process"
+        return
+    from grpo_nb.llm.policy import PolicyTrainer
+
+    def unsaved(self: Any, folder: Path | str, extra: dict[str, Any] | None = None) -> Path:
+        return Path(folder)
+
+    save, PolicyTrainer.save = PolicyTrainer.save, unsaved  # type: ignore[method-assign]
+    try:
+        yield "skipped (--checkpoints writes the run's last)"
+    finally:
+        PolicyTrainer.save = save  # type: ignore[method-assign]
 
 
 def figures(result: Any, run_dir: Path) -> dict[str, Any]:
-    """What the run achieved, from its summary and metric rows."""
+    """What the run achieved, from its summary and metric rows (gpu_report.figures)."""
+    from gpu_report import figures as report_figures
+
     from grpo_nb.metrics import load_metrics
 
     rec = load_metrics(run_dir)
@@ -76,10 +112,12 @@ def figures(result: Any, run_dir: Path) -> dict[str, Any]:
            "controller_pid": os.getpid()}
     summary = json.loads((run_dir / "result.json").read_text())
     out["prompt_example"] = summary.get("prompt_example", "")[:300]
-    return out
+    return {**out, **report_figures(rec.rows())}
 
 
 def peak_memory() -> dict[str, Any]:
+    """This process's peaks: its resident set, and what torch allocated and reserved per GPU
+    (the trainer's, when it runs here: the asyncio backend)."""
     import torch
 
     out: dict[str, Any] = {"peak_rss_gib": round(
@@ -88,22 +126,49 @@ def peak_memory() -> dict[str, Any]:
         out["peak_gpu_mem_gib"] = {
             i: round(torch.cuda.max_memory_allocated(i) / 2**30, 2)
             for i in range(torch.cuda.device_count())}
+        out["peak_gpu_reserved_gib"] = {
+            i: round(torch.cuda.max_memory_reserved(i) / 2**30, 2)
+            for i in range(torch.cuda.device_count())}
     return out
 
 
 def run(args: argparse.Namespace, model: str, dataset: str, runs: Path) -> dict[str, Any]:
+    """Start the server (here: its processes are sampled), train, stop it; the report."""
+    from gpu_report import MemorySampler
+
     from grpo_nb.llm import placement
-    from grpo_nb.llm.run import train
+    from grpo_nb.llm.run import server_for, train
 
     cfg = config(args, model, dataset)
     sync = placement.sync_of(cfg)
     report = {"device": placement.trainer_device(cfg), "dtype": placement.dtype_of(cfg),
               "transport": sync.transport, "atol": sync.atol, "model": model,
-              "dataset": dataset, "backend": args.backend}
+              "dataset": dataset, "backend": args.backend, "ratio_against": cfg.ratio_against,
+              "tis_cap": cfg.tis_cap}
     os.environ["GRPO_NB_RUNS"] = str(runs)
-    result = asyncio.run(train(cfg, name="gpu-check", backend=args.backend, smoke=args.dry_run,
-                               progress=False))
+    server = server_for(model, cfg)
+    server_start = time.perf_counter()
+    try:
+        server.start(progress=False)
+        report["server_start_s"] = round(time.perf_counter() - server_start, 1)
+        here = [os.getpid()] if args.backend == "asyncio" else []
+        with MemorySampler(server.proc.pid if server.proc else None, here) as memory, \
+                checkpoints(args) as saved:
+            report["checkpoints"] = saved
+
+            def on_event(kind: str, rec: Any) -> None:  # the trainer evaluates in its process
+                if kind == "eval" and "pid" in rec.rows("eval")[-1]:
+                    memory.trainer_pids.add(rec.rows("eval")[-1]["pid"])
+
+            result = asyncio.run(train(cfg, name="gpu-check", backend=args.backend,
+                                       smoke=args.dry_run, server=server, on_event=on_event,
+                                       progress=False))
+    finally:
+        server.stop()
     report.update(figures(result, runs / "gpu-check"))
+    torch_peaks = peak_memory() if args.backend == "asyncio" else {}
+    report["memory"] = memory.report({k: v for k, v in torch_peaks.items()
+                                      if k.startswith("peak_gpu")})
     return report
 
 
@@ -116,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=None, help="default: 5 (GPU), 2 (dry run)")
     p.add_argument("--backend", choices=["asyncio", "monarch"], default="asyncio")
     p.add_argument("--runs", help="where the run folder goes (default: a temp folder)")
+    p.add_argument("--checkpoints", action="store_true",
+                   help="write the run's last checkpoint (model + AdamW state: ≈ 7 GB at 0.6B)")
     p.add_argument("--probe", action="store_true",
                    help="only the checks that need neither vLLM nor the Hub")
     p.add_argument("--small", action="store_true",
@@ -126,9 +193,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.probe and args.dry_run:
         p.error("--probe and --dry-run are two different checks: choose one")
     if args.probe:
-        from gpu_probe import probe  # imports no vLLM (tests/test_gpu_check.py)
-
-        report = probe(args.small, GPU_RUN)
+        try:
+            from gpu_probe import probe  # torch only (tests/test_gpu_check.py)
+        except ModuleNotFoundError as err:  # torch itself: nothing can run
+            report = {"probe": True, "ran": [], "errors": {}, "skipped": {
+                "all": f"needs the Python package {err.name!r} (not installed)"}}
+        else:
+            report = probe(args.small, GPU_RUN)
         print(json.dumps(report))
         return report
     args.steps = args.steps or (2 if args.dry_run else 5)

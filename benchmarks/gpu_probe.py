@@ -1,36 +1,39 @@
 """``gpu_check.py --probe``: the parts of the GPU path that need neither vLLM nor the Hub.
 
-A GPU machine may have torch and transformers but no vLLM and no network. These checks
-import only torch, transformers and the project's modules that never import vLLM (a test
-runs them with vLLM blocked), build their model from a config (random weights) and print
-ONE JSON line::
+A GPU machine may have torch and transformers but no vLLM, no ``datasets`` and no network.
+These checks import only torch, transformers and the project's modules that need nothing
+else (a test runs them with every other installed package blocked), build their model from
+a config (random weights) and print ONE JSON line::
 
     device_per_thread  two threads at once: one under weight_sync.syncer.device_scope of
                        the trainer's device (the last GPU), one without; which device each
                        sees (torch.cuda.current_device, and where a bare "cuda" tensor lands)
-    cuda_ipc           a CUDA tensor exported with torch.multiprocessing.reductions
-                       (reduce_tensor, as vLLM's IPC engine does), rebuilt in a spawned child
-                       (rebuild_cuda_tensor): the child's digest of it equals the parent's
-                       (weight_sync.verify.digest) and the child's in-place write reaches
-                       the parent
+    cuda_ipc           ~300 tensors sent as the syncer sends them over CUDA IPC, rebuilt and
+                       digested in a spawned child (gpu_probe_procs)
     step_changed_frac  one GRPO step of PolicyTrainer at lr 1e-6 with bf16 compute, on a
                        random-weight model of Qwen3-0.6B's shape: float32 masters (the
                        trainer as it is) and the same model held in bf16 (pure-bf16 AdamW,
                        the baseline it must beat)
     memory             the server's gpu_memory_utilization (placement.server_config) held as
-                       one allocation on the trainer's GPU when the two share it, then one
-                       training step at the GPU run's batch: peak allocated, and whether it fits
+                       one allocation on the trainer's GPU when the two share it, then two
+                       training steps (AdamW's state appears in the first opt.step(), after
+                       step 1's peak) at the GPU run's batch and at the CLI default's: per
+                       step its time, peak allocated and reserved memory; whether both fit
+    contention         trainer steps alone and beside a decode-like loop in a second process
+                       on the same GPU (gpu_probe_procs)
 
-A check that needs CUDA reports ``{"skipped": "no CUDA"}`` without one, a check whose
-project modules need a package this machine lacks (the trainer imports ``datasets``)
-``{"skipped": "needs the Python package ..."}``; the line's ``ran`` and ``skipped`` name
-which ran, ``errors`` what failed. ``small=True`` uses a reduced shape (a CPU-sized model).
+A check that needs CUDA reports ``{"skipped": "no CUDA"}`` without one, a check that needs a
+package this machine lacks ``{"skipped": "needs the Python package ..."}``; the line's
+``ran`` and ``skipped`` name which ran, ``errors`` what failed. ``small=True`` uses a
+reduced shape (a CPU-sized model).
 """
 
 from __future__ import annotations
 
+import gc
+import importlib.metadata
+import importlib.util
 import math
-import os
 import threading
 import time
 import traceback
@@ -54,8 +57,8 @@ SMALL = {**QWEN3_06B, "hidden_size": 64, "intermediate_size": 192, "num_hidden_l
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
          "vocab_size": 1024}
 LR = 1e-6  # the GPU run's lr: an update far below a bf16 step at the weights' magnitude
-IPC_ELEMENTS = 1 << 22  # 16 MiB of float32 (arange + 1 is exact: below 2**24)
-CHILD_TIMEOUT_S = 120.0  # a spawned child imports torch and initialises CUDA
+MEMORY_STEPS = 2  # AdamW's state is allocated in the first opt.step(), after step 1's peak
+OWN_MODULES = ("grpo_nb", "gpu_probe", "gpu_probe_procs", "vllm")  # missing: an error
 
 
 def build_model(shape: dict[str, Any], device: torch.device) -> Any:
@@ -101,10 +104,10 @@ def _trainer(shape: dict[str, Any], device: torch.device, cfg: LLMConfig) -> Pol
 
 
 def device_per_thread(ctx: SimpleNamespace) -> dict[str, Any]:
-    from grpo_nb.weight_sync.syncer import device_scope
-
     if not ctx.cuda:
         return {"skipped": "no CUDA"}
+    from grpo_nb.weight_sync.syncer import device_scope
+
     target = torch.device(f"cuda:{torch.cuda.device_count() - 1}")  # placement's trainer GPU
     seen: dict[str, Any] = {}
     both_inside = threading.Barrier(2, timeout=60)
@@ -151,65 +154,6 @@ def device_per_thread(ctx: SimpleNamespace) -> dict[str, Any]:
     return out
 
 
-def _ipc_child(args: tuple[Any, ...], device_index: int, conn: Any) -> None:
-    """In a spawned process: rebuild the parent's tensor from its IPC handle, digest it,
-    add 1 in place (the parent must see it), answer over ``conn``."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    from grpo_nb.weight_sync.verify import digest
-
-    try:
-        torch.cuda.set_device(device_index)
-        rebuilt = list(args)
-        rebuilt[6] = device_index  # the exporter's device index, as vLLM's IPC engine sets it
-        tensor = rebuild_cuda_tensor(*rebuilt)
-        seen = digest(tensor)
-        tensor.add_(1.0)
-        torch.cuda.synchronize(device_index)
-        conn.send({"digest": seen, "child_device": str(tensor.device), "child_pid": os.getpid()})
-    except BaseException as err:  # the parent reports it
-        conn.send({"error": f"{err!r}\n{traceback.format_exc()[-1500:]}"})
-    finally:
-        conn.close()
-
-
-def cuda_ipc(ctx: SimpleNamespace) -> dict[str, Any]:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    from grpo_nb.weight_sync.verify import digest
-
-    if not ctx.cuda:
-        return {"skipped": "no CUDA"}
-
-    device = torch.device(f"cuda:{torch.cuda.device_count() - 1}")
-    tensor = torch.arange(IPC_ELEMENTS, dtype=torch.float32, device=device)
-    expected = digest(tensor)
-    _, args = reduce_tensor(tensor)
-    mp = torch.multiprocessing.get_context("spawn")
-    ours, theirs = mp.Pipe()
-    t0 = time.perf_counter()
-    child = mp.Process(target=_ipc_child, args=(args, device.index, theirs), daemon=True)
-    child.start()
-    try:
-        if not ours.poll(CHILD_TIMEOUT_S):
-            return {"ok": False, "error": f"no answer from the child in {CHILD_TIMEOUT_S} s"}
-        reply = ours.recv()
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-    out: dict[str, Any] = {"device": str(device), "mib": IPC_ELEMENTS * 4 >> 20,
-                           "spawn_to_answer_s": round(time.perf_counter() - t0, 2), **reply}
-    if "error" in reply:
-        return {**out, "ok": False}
-    torch.cuda.synchronize(device)
-    out["child_saw_the_same_bytes"] = reply["digest"] == expected
-    out["parent_sees_the_childs_write"] = bool(torch.equal(
-        tensor, torch.arange(IPC_ELEMENTS, dtype=torch.float32, device=device) + 1))
-    out["ok"] = out["child_saw_the_same_bytes"] and out["parent_sees_the_childs_write"]
-    return out
-
-
 def _step_cfg(device: torch.device, **sizes: Any) -> LLMConfig:
     from grpo_nb.llm.config import LLMConfig
 
@@ -241,13 +185,51 @@ def step_changed(ctx: SimpleNamespace) -> dict[str, Any]:
     return out
 
 
+def _memory_steps(ctx: SimpleNamespace, cfg: LLMConfig, device: torch.device,
+                  held_bytes: int) -> dict[str, Any]:
+    """``MEMORY_STEPS`` training steps at ``cfg``'s batch beside ``held_bytes`` already held."""
+    out: dict[str, Any] = {"batch": f"{cfg.batch_size} sequences x {cfg.context_len} tokens "
+                                    f"(grad_accum {cfg.grad_accum})", "steps": []}
+    pt = None
+    try:
+        pt = _trainer(ctx.shape, device, cfg)
+        batch = groups(cfg, ctx.shape["vocab_size"], cfg.max_prompt_len, cfg.max_tokens)
+        for _ in range(MEMORY_STEPS):
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            row = pt.step(batch)
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+            out["steps"].append({
+                "step_s": round(time.perf_counter() - t0, 3),
+                "trainer_peak_gib": round((peak - held_bytes) / 2**30, 2),
+                "peak_allocated_gib": round(peak / 2**30, 2),
+                "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2),
+                "step_changed_frac": row.get("step_changed_frac")})
+        out["fits"] = True
+        # what the device itself has left (CUDA contexts and other processes included)
+        out["device_free_after_gib"] = round(torch.cuda.mem_get_info(device)[0] / 2**30, 2)
+    except torch.OutOfMemoryError as err:
+        out["fits"] = False
+        out["oom_in_step"] = len(out["steps"]) + 1
+        out["oom"] = str(err)[:500]
+    del pt
+    gc.collect()  # the next batch starts from an empty trainer
+    torch.cuda.empty_cache()
+    return out
+
+
 def memory(ctx: SimpleNamespace) -> dict[str, Any]:
-    """One training step at the GPU run's sizes, with the server's share of the GPU held."""
+    """Two training steps at the GPU run's batch and at the CLI default's (``python -m
+    grpo_nb train --model Qwen/Qwen3-0.6B --dataset openai/gsm8k``), with the server's
+    share of the GPU held."""
+    if not ctx.cuda:
+        return {"skipped": "no CUDA"}
     from grpo_nb.llm import placement
     from grpo_nb.llm.config import LLMConfig
 
-    if not ctx.cuda:
-        return {"skipped": "no CUDA"}
+    runs = {"gpu_run": ctx.gpu_run, "cli_default": {}}
     cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k", **ctx.gpu_run)
     device = torch.device(placement.trainer_device(cfg))
     fraction = placement.server_config(cfg.model, cfg).gpu_memory_utilization
@@ -257,42 +239,39 @@ def memory(ctx: SimpleNamespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "device": str(device), "total_gib": round(total / 2**30, 2),
         "server_fraction": fraction, "server_shares_this_gpu": shared,
-        "held_gib": round(held_bytes / 2**30, 2), "dtype": placement.dtype_of(cfg),
-        "batch": f"{cfg.batch_size} sequences x {cfg.context_len} tokens "
-                 f"(grad_accum {cfg.grad_accum})"}
+        "held_gib": round(held_bytes / 2**30, 2), "dtype": placement.dtype_of(cfg)}
     held = torch.empty(held_bytes, dtype=torch.uint8, device=device)
-    torch.cuda.reset_peak_memory_stats(device)
-    pt = None
     try:
-        pt = _trainer(ctx.shape, device, cfg)
-        row = pt.step(groups(cfg, ctx.shape["vocab_size"], cfg.max_prompt_len, cfg.max_tokens))
-        torch.cuda.synchronize(device)
-        out["fits"] = True
-        out["step_changed_frac"] = row.get("step_changed_frac")
-        # what the device itself has left (CUDA contexts and other processes included)
-        out["device_free_after_step_gib"] = round(torch.cuda.mem_get_info(device)[0] / 2**30, 2)
-    except torch.OutOfMemoryError as err:
-        out["fits"] = False
-        out["oom"] = str(err)[:500]
-    peak = torch.cuda.max_memory_allocated(device)
-    out["peak_allocated_gib"] = round(peak / 2**30, 2)
-    out["trainer_peak_gib"] = round((peak - held_bytes) / 2**30, 2)
-    out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
-    del pt, held
-    torch.cuda.empty_cache()
+        for name, sizes in runs.items():
+            run_cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k", **sizes)
+            out[name] = _memory_steps(ctx, run_cfg, device, held_bytes)
+    finally:
+        del held
+        torch.cuda.empty_cache()
+    out["fits"] = all(out[name]["fits"] for name in runs)
     return out
 
 
-CHECKS: dict[str, Callable[[SimpleNamespace], dict[str, Any]]] = {
-    "device_per_thread": device_per_thread, "cuda_ipc": cuda_ipc,
-    "step_changed_frac": step_changed, "memory": memory}
+def _checks() -> dict[str, Callable[[SimpleNamespace], dict[str, Any]]]:
+    from gpu_probe_procs import contention, cuda_ipc
+
+    return {"device_per_thread": device_per_thread, "cuda_ipc": cuda_ipc,
+            "step_changed_frac": step_changed, "memory": memory, "contention": contention}
+
+
+def _version(package: str) -> str:
+    """``package``'s version, without importing it; "not installed" when it cannot be."""
+    try:
+        if importlib.util.find_spec(package) is not None:
+            return importlib.metadata.version(package)
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        pass
+    return "not installed"
 
 
 def probe(small: bool, gpu_run: dict[str, Any]) -> dict[str, Any]:
     """Every check, in order; the report names which ran, which were skipped and why, and
-    the errors (a check that raised)."""
-    import transformers
-
+    the errors (a check that raised, or that lacks vLLM or a module of this project)."""
     cuda = torch.cuda.is_available()
     # the trainer's GPU as placement picks it: the last (the server takes the first)
     ctx = SimpleNamespace(cuda=cuda, shape=SMALL if small else QWEN3_06B, gpu_run=gpu_run,
@@ -302,15 +281,15 @@ def probe(small: bool, gpu_run: dict[str, Any]) -> dict[str, Any]:
         "probe": True, "shape": "small" if small else "Qwen3-0.6B", "cuda": cuda,
         "gpus": torch.cuda.device_count() if cuda else 0,
         "hardware": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__, "transformers": _version("transformers"),
         "ran": [], "skipped": {}, "errors": {}}
     t0 = time.perf_counter()
-    for name, check in CHECKS.items():
+    for name, check in _checks().items():
         try:
             result = check(ctx)
         except Exception as err:
             missing = (err.name or "") if isinstance(err, ModuleNotFoundError) else ""
-            if not missing or missing.split(".")[0] == "vllm":  # the probe must not need vLLM
+            if not missing or missing.split(".")[0] in OWN_MODULES:
                 report["errors"][name] = f"{err!r}\n{traceback.format_exc()[-2000:]}"
                 continue
             result = {"skipped": f"needs the Python package {missing!r} (not installed)"}

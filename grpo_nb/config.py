@@ -1,5 +1,6 @@
 """Where the package keeps things (``GRPO_NB_CACHE``, ``GRPO_NB_RUNS``), and smoke mode
-(``GRPO_NB_SMOKE``: :func:`preset` picks each config's small ``smoke()`` preset).
+(``GRPO_NB_SMOKE``: :func:`preset` picks each config's small ``smoke()`` preset), and
+:class:`InputError`, the bad input a command reports in one line.
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ from typing import TypeVar
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
+
+
+class InputError(ValueError):
+    """Bad input the user fixes (a dataset file, a run folder): the message names the file, the
+    line or field, and what was expected. ``python -m grpo_nb train`` prints it as one
+    ``error:`` line and exits 2; it is raised before any server starts."""
 
 
 def env_flag(name: str) -> bool:

@@ -12,10 +12,28 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from grpo_nb.logprobs import linear_head, model_logprobs
+from grpo_nb.objectives import (  # noqa: F401  the objectives live there; re-exported
+    IS_LEVELS,
+    KL_KINDS,
+    LOSS_AGGS,
+    LOSS_TYPE_AGG,
+    LOSS_TYPES,
+    OBJECTIVE_FIELDS,
+    SAPO_TEMPERATURE_NEG,
+    SAPO_TEMPERATURE_POS,
+    ISLevel,
+    KLKind,
+    LossAgg,
+    LossType,
+    aggregate,
+    check_objective,
+    kl_penalty,
+    policy_loss,
+)
+
 AdvScale = Literal["std", "none"]
-KLKind = Literal["k1", "k2", "k3"]
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-ADV_SCALES, KL_KINDS, LOSS_AGGS = get_args(AdvScale), get_args(KLKind), get_args(LossAgg)
+ADV_SCALES = get_args(AdvScale)
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -100,10 +118,35 @@ def next_token_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> 
 
 
 def sequence_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor,
-                      temperature: float) -> Tensor:
-    """``[B, L-1]`` log-prob of each next token of ``input_ids`` under ``model`` (with grad)."""
-    return token_logprobs(next_token_logits(model, input_ids, attention_mask),
-                          input_ids[:, 1:], temperature)
+                      temperature: float, *, mask: Tensor | None = None) -> Tensor:
+    """``[B, L-1]`` log-prob of each next token of ``input_ids`` under ``model`` (with grad);
+    with ``mask`` only its set positions are computed (0 elsewhere). A plain linear head goes
+    through :func:`grpo_nb.logprobs.model_logprobs`: no ``[B, L, V]`` logits tensor."""
+    return sequence_logprobs_and_entropy(model, input_ids, attention_mask, temperature,
+                                         mask=mask, entropy=False)[0]
+
+
+def sequence_logprobs_and_entropy(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float, *,
+    mask: Tensor | None = None, entropy: bool = True
+) -> tuple[Tensor, float]:
+    """:func:`sequence_logprobs` and the :func:`masked_entropy` of the same distributions over
+    ``mask`` (all positions without one; NaN when ``entropy`` is off), from one forward."""
+    if linear_head(model) is not None:
+        lp, ent = model_logprobs(model, input_ids, attention_mask, temperature, mask=mask,
+                                 entropy=entropy)
+        if ent is None:
+            return lp, math.nan
+        keep = torch.ones_like(ent, dtype=torch.bool) if mask is None else mask != 0
+        return lp, float(ent[keep].sum()) / max(int(keep.sum()), 1)
+    logits = next_token_logits(model, input_ids, attention_mask)
+    lp = token_logprobs(logits, input_ids[:, 1:], temperature)
+    if mask is not None:
+        lp = torch.where(mask != 0, lp, torch.zeros((), device=lp.device))
+    if not entropy:
+        return lp, math.nan
+    every = torch.ones(lp.shape, device=lp.device)
+    return lp, masked_entropy(logits, every if mask is None else mask, temperature)
 
 
 def masked_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0, *,
@@ -121,153 +164,3 @@ def masked_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0, *,
             z = logits[rows[s:s + chunk_size], cols[s:s + chunk_size]].float() / temperature
             total += torch.special.entr(torch.softmax(z, dim=-1)).sum()
         return float(total) / max(rows.numel(), 1)
-
-
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> Tensor:
-    """Per-token estimates of ``KL(π_θ || π_ref)`` (Schulman), ``log κ = log π_ref - log π_θ``:
-    ``k1 = -log κ``, ``k2 = ½ (log κ)²``, ``k3 = κ - 1 - log κ`` (GRPO)."""
-    if kind not in KL_KINDS:
-        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
-    if logprobs.shape != ref_logprobs.shape:
-        raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs "
-                         f"{tuple(ref_logprobs.shape)} differ in shape")
-    log_kappa = ref_logprobs.detach().float() - logprobs.float()
-    if kind == "k1":
-        return -log_kappa
-    if kind == "k2":
-        return 0.5 * log_kappa.square()
-    return torch.expm1(log_kappa) - log_kappa
-
-
-def aggregate(
-    per_token: Tensor, mask: Tensor, loss_agg: LossAgg = "token-mean", max_tokens: int | None = None
-) -> Tensor:
-    """A per-token ``x [B, T]`` reduced over unmasked positions (``L_b``: row ``b``'s length)::
-
-        token-mean:               Σ_b Σ_t m x / Σ_b L_b
-        seq-mean-token-mean:      mean over {b : L_b > 0} of (Σ_t m x / L_b)
-        seq-mean-token-sum-norm:  Σ_b Σ_t m x / (B · max_tokens)     (Dr. GRPO: the sampler's max)
-    """
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
-    if per_token.dim() != 2 or mask.shape != per_token.shape:
-        raise ValueError(f"expected per_token and mask of the same shape [B,T], got "
-                         f"{tuple(per_token.shape)} and {tuple(mask.shape)}")
-    m = mask.float()
-    # where() rather than x*m: a masked position holding inf/nan must not leak into the sum.
-    x = torch.where(m != 0, per_token.float(), torch.zeros((), device=per_token.device)) * m
-    if loss_agg == "token-mean":
-        return x.sum() / m.sum().clamp(min=1.0)
-    if loss_agg == "seq-mean-token-mean":
-        lengths = m.sum(dim=1)
-        seq = x.sum(dim=1) / lengths.clamp(min=1.0)
-        present = (lengths > 0).float()
-        return (seq * present).sum() / present.sum().clamp(min=1.0)
-    if max_tokens is None or max_tokens <= 0:
-        raise ValueError(
-            f"loss_agg='seq-mean-token-sum-norm' needs max_tokens > 0 (the fixed maximum "
-            f"completion length, Dr. GRPO's constant), got max_tokens={max_tokens}")
-    return x.sum() / (per_token.shape[0] * max_tokens)
-
-
-def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    loss_agg: LossAgg = "token-mean",
-    max_tokens: int | None = None,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_kind: KLKind = "k3",
-    sampler_logprobs: Tensor | None = None,
-    tis_cap: float | None = None,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """The GRPO loss to minimise (gradients through ``logprobs`` only) and its metrics; per
-    token, with ``r = exp(logp - old)`` and ``A`` the advantage (``[B]`` or ``[B, T]``)::
-
-        surrogate = min(r · A, clip(r, 1 - clip_low, 1 + clip_high) · A)      PPO-clip
-        surrogate = max(surrogate, dual_clip · A)    where A < 0              dual-clip (optional)
-        ℓ         = -w · surrogate + kl_coef · KL_kind(logp, ref)
-        loss      = aggregate(ℓ, mask, loss_agg, max_tokens)
-
-    ``w = min(exp(old - sampler), tis_cap)`` (detached) with truncated importance sampling, else 1.
-    """
-    shape = logprobs.shape
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B,T], got {tuple(shape)}")
-    for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
-                    ("sampler_logprobs", sampler_logprobs)):
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if advantages.shape not in (shape[:1], shape):
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
-                         f"[B]={tuple(shape[:1])} or [B,T]={tuple(shape)}")
-    if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, "
-                         f"clip_high={clip_high}")
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
-    if (sampler_logprobs is None) != (tis_cap is None):
-        raise ValueError("truncated importance sampling needs both sampler_logprobs and tis_cap")
-    if tis_cap is not None and tis_cap <= 0:
-        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (a cap on r for A < 0), got {dual_clip}")
-
-    m = mask.float()
-    valid = m != 0
-    logp = logprobs.float()
-    adv = advantages.detach().float()
-    adv = adv.unsqueeze(1).expand(shape) if adv.dim() == 1 else adv
-    # Zeroing the log-ratio at padding keeps exp() finite there (padding may hold any value).
-    log_ratio = torch.where(valid, logp - old_logprobs.detach().float(), torch.zeros_like(logp))
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    surrogate = torch.minimum(ratio * adv, clipped * adv)
-    if dual_clip is not None:
-        surrogate = torch.where(adv < 0, torch.maximum(surrogate, dual_clip * adv), surrogate)
-
-    weight = torch.ones_like(ratio)
-    if sampler_logprobs is not None and tis_cap is not None:
-        tis_log = torch.where(valid, old_logprobs.float() - sampler_logprobs.float(),
-                              torch.zeros_like(logp)).detach()
-        weight = torch.exp(tis_log).clamp(max=tis_cap)
-    pg_tok = -weight * surrogate
-
-    if ref_logprobs is not None:
-        ref = torch.where(valid, ref_logprobs.float(), logp.detach())
-        kl_tok = kl_penalty(logp, ref, kl_kind)
-    else:
-        kl_tok = torch.zeros_like(logp)
-    per_token = pg_tok + kl_coef * kl_tok if kl_coef != 0.0 else pg_tok
-    loss = aggregate(per_token, m, loss_agg, max_tokens)
-
-    with torch.no_grad():
-        r = ratio.detach()
-        one = torch.ones((), device=r.device)
-        capped = weight >= tis_cap if tis_cap is not None else torch.zeros_like(valid)
-        values = {
-            "loss": loss.detach(),
-            "pg_loss": aggregate(pg_tok.detach(), m, loss_agg, max_tokens),
-            "kl": aggregate(kl_tok.detach(), m),
-            "clip_frac_low": aggregate(((r < 1.0 - clip_low) & (adv < 0)).float(), m),
-            "clip_frac_high": aggregate(((r > 1.0 + clip_high) & (adv > 0)).float(), m),
-            "ratio_mean": aggregate(r, m),
-            "ratio_max": torch.where(valid, r, -torch.inf).max() if r.numel() else one,
-            "ratio_min": torch.where(valid, r, torch.inf).min() if r.numel() else one,
-            "tis_weight_mean": aggregate(weight, m),
-            "tis_frac_capped": aggregate(capped.float(), m),
-            "dual_clip_frac": aggregate(((r > dual_clip) & (adv < 0)).float(), m)
-            if dual_clip is not None else torch.zeros((), device=r.device),
-        }
-        # one device-to-host copy for all metrics, not one sync per value
-        stacked = torch.stack([v.float().reshape(()) for v in values.values()]).tolist()
-        metrics = dict(zip(values, stacked, strict=True))
-        if math.isinf(metrics["ratio_max"]):  # no unmasked token at all
-            metrics["ratio_max"] = metrics["ratio_min"] = 1.0
-    return loss, metrics

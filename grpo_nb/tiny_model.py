@@ -40,7 +40,7 @@ class TinyModelConfig:
     lr: float = 1e-2  # after a linear warm-up; lower stays at 0 % for thousands of steps
     warmup_steps: int = 100
     batch_size: int = 128
-    target_acc: float = 0.30  # SFT stops at this greedy accuracy on eval_size test problems
+    target_acc: float = 0.30  # SFT stops at this teacher_forced_accuracy on eval_size problems
     eval_every: int = 10
     dense_eval_from: float = 0.05  # from this accuracy on, evaluate after every step
     eval_size: int = 256
@@ -108,8 +108,12 @@ def build_model(cfg: TinyModelConfig, tokenizer: Any) -> Any:
     return Qwen3ForCausalLM(config)
 
 
-def greedy_accuracy(model: Any, prompt_ids: Any, answer_ids: Any, batch: int = 1024) -> float:
-    """Fraction of prompts whose greedy continuation is the answer then ``<eos>`` (one pass)."""
+def teacher_forced_accuracy(model: Any, prompt_ids: Any, answer_ids: Any,
+                            batch: int = 1024) -> float:
+    """Fraction of prompts whose answer tokens then ``<eos>`` are each the argmax after the
+    prompt and the answer's earlier tokens (teacher forcing, one forward pass): the exact-token
+    accuracy of greedy decoding, without decoding. Not ``llm.rollouts.greedy_accuracy``, which
+    decodes on the server and scores the text with a reward."""
     was_training = model.training
     model.eval()
     correct, p = 0, prompt_ids.shape[1]
@@ -175,13 +179,13 @@ def _sft(cfg: TinyModelConfig, model: Any, tokenizer: Any, progress: bool) -> di
             step += 1
             bar.update(1)
             if acc >= cfg.dense_eval_from or step % cfg.eval_every == 0:
-                acc = greedy_accuracy(model, eval_p, eval_a)
+                acc = teacher_forced_accuracy(model, eval_p, eval_a)
                 history.append((step, acc))
                 bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.0%}")
                 if acc >= cfg.target_acc:
                     break
     return {"steps": step, "eval_accuracy": acc, "history": history,
-            "test_accuracy": greedy_accuracy(model, test_p, test_a),
+            "test_accuracy": teacher_forced_accuracy(model, test_p, test_a),
             "sft_seconds": round(time.perf_counter() - t0, 2)}
 
 

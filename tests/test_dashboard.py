@@ -35,7 +35,7 @@ def _fake_run(run_dir: Path | None, *, mode: str = "async") -> MetricsRecorder:
 def test_figure_has_every_panel_and_reports_drops_and_verification() -> None:
     fig = llm_figure(_fake_run(None), window_s=None)
     titles = [ax.get_title() for ax in fig.axes]
-    assert len(fig.axes) == 9
+    assert len(fig.axes) == 11  # the token-lag and TIS panels: tests/test_token_versions.py
     assert any("dropped: 1" in t for t in titles)
     panels = {ax.get_label(): ax for ax in fig.axes}  # subplot_mosaic names each panel
     assert list(panels["entropy"].lines[0].get_ydata())[-1] == 1.0  # entropy of step 20

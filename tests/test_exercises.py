@@ -108,7 +108,10 @@ class FakeVLLM:
         else:
             texts = [[ROWS_04[k][1], "7", "no", "12 13"][i % 4] for i in range(n)]
         return [SimpleNamespace(text=t, token_ids=[5, 6], logprobs=[-0.3 * temperature] * 2,
-                                finish_reason=reason, latency_s=self.decode_s) for t in texts]
+                                finish_reason=reason, latency_s=self.decode_s, versions=None)
+                for t in texts]
+
+    generate = complete  # the sampler's route: the same completions, no version labels
 
     def wait_running(self, at_least: int = 1, timeout: float = 10.0) -> bool:
         self.waited += 1

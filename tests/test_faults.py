@@ -170,19 +170,18 @@ def test_abort_mode_drops_and_resubmits_groups_cut_by_a_sync(ring_server, tiny_m
     from grpo_nb.serving.client import CompletionsClient
     from grpo_nb.weight_sync import WeightSyncConfig
 
-    complete, process = CompletionsClient.complete, actors.Scorer.process
+    generate, process = CompletionsClient.generate, actors.Scorer.process
     scored: list[str | None] = []
 
-    async def long_requests(self, prompt_ids, **kw):
-        if kw.get("n", 1) > 1:  # the generators' groups, not the evaluation
-            kw.update(max_tokens=200, ignore_eos=True)
-        return await complete(self, prompt_ids, **kw)
+    async def long_requests(self, prompt_ids, **kw):  # the generators' groups
+        kw.update(max_tokens=200, ignore_eos=True)
+        return await generate(self, prompt_ids, **kw)
 
     async def recording(self, group):
         scored.extend(r.finish_reason for r in group.rollouts)
         return await process(self, group)
 
-    monkeypatch.setattr(CompletionsClient, "complete", long_requests)
+    monkeypatch.setattr(CompletionsClient, "generate", long_requests)
     monkeypatch.setattr(actors.Scorer, "process", recording)
     cfg = _cfg(mode="async", max_ahead=1, sync=WeightSyncConfig(pause_mode="abort"))
     r = _train(cfg, tiny_model_dir, ring_server, "abort")
@@ -252,17 +251,16 @@ def test_killing_the_server_mid_generation_ends_the_run_clearly(tiny_model_dir, 
     from grpo_nb.serving.client import CompletionsClient
 
     own = server_for(str(tiny_model_dir), _cfg()).start(progress=False)
-    complete, state = CompletionsClient.complete, {"groups": 0, "t": 0.0}
+    generate, state = CompletionsClient.generate, {"groups": 0, "t": 0.0}
 
-    async def killing(self, prompt_ids, **kw):
-        if kw.get("n", 1) > 1:
-            state["groups"] += 1
-            if state["groups"] == 5:  # step 2's first group: its request is in flight
-                asyncio.get_running_loop().call_later(0.05, _kill, own)
-                state["t"] = time.monotonic()
-        return await complete(self, prompt_ids, **kw)
+    async def killing(self, prompt_ids, **kw):  # the generators' groups
+        state["groups"] += 1
+        if state["groups"] == 5:  # step 2's first group: its request is in flight
+            asyncio.get_running_loop().call_later(0.05, _kill, own)
+            state["t"] = time.monotonic()
+        return await generate(self, prompt_ids, **kw)
 
-    monkeypatch.setattr(CompletionsClient, "complete", killing)
+    monkeypatch.setattr(CompletionsClient, "generate", killing)
     try:
         with pytest.raises(RunAborted, match=r"the vLLM server at .* exited"):
             _train(_cfg(steps=20), tiny_model_dir, own, "kill-gen")

@@ -48,10 +48,10 @@ def _bodies(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """The JSON body of each request a CompletionsClient sends (answered by a fake)."""
     sent: list[dict[str, Any]] = []
 
-    async def post(self: CompletionsClient, body: dict[str, Any]) -> list[Any]:
+    async def post(self: CompletionsClient, body: dict[str, Any], url: str) -> list[Any]:
         sent.append(body)
-        return [SimpleNamespace(token_ids=[5], logprobs=[-1.0], text="7",
-                                finish_reason="stop", latency_s=0.0)] * body["n"]
+        return [SimpleNamespace(token_ids=[5], logprobs=[-1.0], text="7", finish_reason="stop",
+                                latency_s=0.0, versions=None)] * body["sampling_params"]["n"]
 
     monkeypatch.setattr(CompletionsClient, "_post_with_retries", post)
     return sent
@@ -59,9 +59,11 @@ def _bodies(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 def test_ring_and_rollout_requests_set_every_sampling_field(monkeypatch) -> None:
     """A Qwen3 folder's defaults (top_k 20, top_p 0.95, T 0.6) never reach the sampler: the
-    sampler's requests (the ring's and notebook 04's), read by vLLM's CompletionRequest with
-    those defaults, sample the full distribution at the configured temperature."""
+    sampler's requests (the ring's and notebook 04's, to /inference/v1/generate) set every
+    field a CompletionRequest would take from the folder, and vLLM's GenerateRequest reads them
+    as the full distribution at the configured temperature."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
     from grpo_nb.llm.config import LLMConfig
     from grpo_nb.llm.data import Prompt
@@ -71,14 +73,16 @@ def test_ring_and_rollout_requests_set_every_sampling_field(monkeypatch) -> None
     client = CompletionsClient("http://127.0.0.1:9/v1", "m")
     asyncio.run(sample_group(client, Prompt("q", [1, 2], "7"), LLMConfig(temperature=0.7),
                              lambda: 3))
-    assert len(sent) == 1 and sent[0]["n"] == LLMConfig().group_size  # one request a group
+    assert len(sent) == 1  # one request a group
+    assert sent[0]["sampling_params"]["n"] == LLMConfig().group_size
     auto = _qwen3_defaults("auto")
     assert auto["top_k"] == 20 and auto["top_p"] == 0.95  # what the folder would impose
     for body in sent:
-        request = CompletionRequest(**body)
-        missing = set(request._DEFAULT_SAMPLING_PARAMS) - set(body)  # vLLM's list of them
+        fields = body["sampling_params"]
+        listed = CompletionRequest(model="m", prompt=[1])._DEFAULT_SAMPLING_PARAMS  # vLLM's
+        missing = set(listed) - set(fields)
         assert not missing, f"request leaves {missing} to the model folder"
-        params = request.to_sampling_params(body["max_tokens"], auto)
+        params = GenerateRequest(**body).sampling_params
         assert (params.top_k, params.top_p, params.min_p) == (0, 1.0, 0.0), params
         assert params.temperature == 0.7
         assert (params.repetition_penalty, params.presence_penalty,

@@ -90,19 +90,27 @@ def test_admission_keeps_groups_up_to_max_staleness_and_replaces_the_dropped() -
 def test_scorer_sets_rewards_then_advantages_at_the_configured_scale() -> None:
     """``adv_scale="std"`` divides by the group's std (GRPO); ``"none"`` only centres
     (Dr. GRPO); a completion cut at max_tokens scores 0."""
+    from grpo_nb.actors import Channel
     from grpo_nb.llm.actors import Scorer
-    from grpo_nb.tasks import make_reward
+    from grpo_nb.llm.data import RingSpec
 
     def scored(scale: str) -> list[float]:
-        scorer = object.__new__(Scorer)
-        scorer.cfg, scorer.reward = LLMConfig(group_size=4, adv_scale=scale), make_reward("exact")
+        scorer = Scorer(LLMConfig(group_size=4, adv_scale=scale, reward="exact"),
+                        RingSpec("http://unused", "m", "unused", []), Channel.open()[0])
         group = _group([1], [[5]] * 4, [0.0] * 4)
         group.answer = "7"
         for r, (text, finish) in zip(group.rollouts, [("7", "stop"), ("7", "stop"),
                                                       ("8", "stop"), ("7", "length")],
                                      strict=True):
             r.completion_text, r.finish_reason = text, finish
-        out = asyncio.run(scorer.process(group))
+
+        async def score() -> Group:
+            try:
+                return await scorer.process(group)
+            finally:
+                await scorer.reward.close()
+
+        out = asyncio.run(score())
         assert out.rewards == [1.0, 1.0, 0.0, 0.0]
         return out.advantages
 

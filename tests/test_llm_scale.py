@@ -209,7 +209,7 @@ def test_ratio_against_the_trainer_when_the_two_sides_differ_in_precision(monkey
     gpu = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k")
     assert (gpu.lr, gpu.ratio_against, gpu.tis_cap, gpu.max_tokens) == (1e-6, "trainer", 2.0,
                                                                          256)
-    assert set(gpu.defaults) == {"lr", "ratio_against", "tis_cap", "max_tokens"}
+    assert set(gpu.defaults) == {"lr", "ratio_against", "tis_cap", "max_tokens", "loss_agg"}
 
 
 def test_thinking_is_off_when_the_chat_template_knows_enable_thinking(realistic) -> None:
@@ -239,7 +239,8 @@ def test_thinking_is_off_when_the_chat_template_knows_enable_thinking(realistic)
         rec.log("step", step=1, step_changed_frac=frac)
     result = summarize(rec, cfg, 1.0, 0)
     assert result.step_changed_frac == pytest.approx(0.8)
-    assert set(result.defaults) == {"lr", "ratio_against", "max_tokens", "chat_template_kwargs"}
+    assert set(result.defaults) == {"lr", "ratio_against", "max_tokens", "loss_agg",
+                                    "chat_template_kwargs"}
     assert "'enable_thinking': False" in result.defaults["chat_template_kwargs"]
     chosen = summarize(rec, cfg.replace(chat_template_kwargs=on), 1.0, 0)
     assert "chat_template_kwargs" not in chosen.defaults
@@ -436,7 +437,7 @@ def test_syncs_land_on_a_tied_model_with_requests_in_flight(realistic, monkeypat
     reload transport, into a model with tied embeddings, as Qwen3-0.6B ships. No tensor
     arrives under a tied ``lm_head``'s name, so vLLM's layerwise reload never re-processes
     it, and on CPU that processing packed a copy of the weight for oneDNN: unless the worker
-    rebuilds the head (``worker.refresh_tied_heads``), the served logits stay on the
+    rebuilds the head (``vllm_compat.refresh_tied_heads``), the served logits stay on the
     weights the server started with. Checked with the log-prob probe: every tensor does
     reach the loader intact, so only the served outputs show it. One server start."""
     import threading

@@ -27,10 +27,10 @@ def _fake_server(monkeypatch, replies):
     """Answers each request with the next list of (text, finish_reason); records the bodies."""
     sent, replies = [], iter(replies)
 
-    async def post(self, body):
+    async def post(self, body, url):
         sent.append(body)
         return [SimpleNamespace(token_ids=[5], logprobs=[-1.0], text=t, finish_reason=f,
-                                latency_s=0.0) for t, f in next(replies)]
+                                latency_s=0.0, versions=None) for t, f in next(replies)]
 
     monkeypatch.setattr(CompletionsClient, "_post_with_retries", post)
     return CompletionsClient("http://127.0.0.1:9/v1", "m"), sent
@@ -45,7 +45,8 @@ def test_groups_are_rewarded_with_the_given_reward_and_cut_completions_score_0(m
     (group,) = asyncio.run(sample_groups(client, [Prompt("q", [1], "7")], cfg,
                                          reward=make_reward("math+0.5*format")))
     assert group.rewards == [1.5, 1.0, 0.5, 0.0]
-    assert len(sent) == 1 and sent[0]["n"] == 4 and sent[0]["cache_salt"] == "policy-v0"
+    assert len(sent) == 1 and sent[0]["sampling_params"]["n"] == 4
+    assert sent[0]["cache_salt"] == "policy-v0"
 
 
 def test_an_aborted_group_is_sampled_again_at_the_new_version(monkeypatch):
@@ -69,6 +70,37 @@ def test_summarize_counts_correct_samples_and_mixed_groups():
     out = summarize([group(0, [1.0, 0.0]), group(1, [0.0, 0.0])], seconds=2.0)
     assert out["accuracy"] == 0.25 and out["mixed_groups"] == 1
     assert out["tokens"] == 8 and out["tokens_per_s"] == 4.0
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.5])
+def test_logprob_agreement_compares_at_the_sampling_temperature(temperature):
+    """The server's processed log-probs are ``log_softmax(logits / T)``: sampler log-probs made
+    that way agree at their own ``T`` (what ``rollouts --temperature T`` checks) and not at
+    another one."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=23, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32))
+    with torch.no_grad():  # a head far from uniform: temperatures differ by far more than 1e-4
+        model.lm_head.weight.normal_(0.0, 1.0)
+    prompt, groups = [3, 4, 5], []
+    for gid, completions in enumerate([[[6, 7, 1], [8, 2]], [[9, 9, 9, 1]]]):
+        rollouts = []
+        for c in completions:
+            ids = torch.tensor([prompt + c])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(ids).logits[0, :-1].float() / temperature, -1)
+            at = torch.arange(len(prompt) - 1, ids.shape[1] - 1)
+            rollouts.append(Rollout(prompt, c, lp[at, ids[0, at + 1]].tolist(), "", "stop"))
+        groups.append(Group(gid, "p", "a", prompt, rollouts, 0, 0.0, 1.0))
+
+    same = logprob_agreement(model, groups, temperature=temperature)
+    assert same["tokens"] == 9 and same["max_abs_diff"] < LOGPROB_TOLERANCE, same
+    other = logprob_agreement(model, groups, temperature=temperature * 1.3)
+    assert other["max_abs_diff"] > 100 * LOGPROB_TOLERANCE, other
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +140,7 @@ def test_groups_rewards_and_logprob_agreement(vllm_server, tiny_model_dir, test_
             assert len(r.sampler_logprobs) == len(r.completion_ids) >= 1
     # The warm-started model is partly right: some groups carry signal.
     assert any(len(set(g.rewards)) > 1 for g in groups)
-    agreement = logprob_agreement(model, groups)
+    agreement = logprob_agreement(model, groups, temperature=cfg.temperature)
     assert agreement["tokens"] == sum(g.n_tokens for g in groups)
     assert agreement["max_abs_diff"] < LOGPROB_TOLERANCE, agreement
 
@@ -135,15 +167,17 @@ def test_a_failed_group_raises_and_cancels_the_others(vllm_server, test_prompts)
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_cli_prints_json_last_attached_to_a_running_server(vllm_server, tiny_model_dir):
-    """``--attach`` (a CLI that starts its own server is tested in test_llm_scale.py)."""
+    """``--attach`` (a CLI that starts its own server is tested in test_llm_scale.py), at a
+    temperature other than 1: the log-probs are compared at the one sampled at."""
     proc = subprocess.run(
         [sys.executable, "-m", "grpo_nb", "rollouts", "--smoke", "--model", str(tiny_model_dir),
-         "--attach", vllm_server.url, "--groups", "4", "--group-size", "4"],
+         "--attach", vllm_server.url, "--groups", "4", "--group-size", "4",
+         "--temperature", "0.7"],
         capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["groups"] == 4 and result["samples"] == 16
     assert 0.0 < result["accuracy"] < 1.0  # warm start ≈ 30 %: 16 samples are not all 0 or 1
     assert result["tokens_per_s"] > 0 and result["failed_requests"] == 0
-    assert result["max_abs_logprob_diff"] < LOGPROB_TOLERANCE
+    assert result["max_abs_logprob_diff"] < LOGPROB_TOLERANCE and result["temperature"] == 0.7
     assert vllm_server.healthy()  # attached: the CLI must not stop a server it did not start

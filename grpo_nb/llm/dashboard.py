@@ -26,12 +26,14 @@ from grpo_nb.metrics import MetricsRecorder, load_metrics
 
 def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
                window_s: float | None = 60.0) -> Figure:
-    """The LLM run's panels (reward, KL, entropy, speed, staleness, sync …) and timeline."""
+    """The LLM run's panels (reward, KL, entropy, speed, staleness, sync, token lag, TIS …)
+    and timeline."""
     if fig is None:
-        fig = plt.figure(figsize=(16, 9), layout="constrained")
+        fig = plt.figure(figsize=(16, 11), layout="constrained")
     fig.clear()
     axes = fig.subplot_mosaic([["reward", "kl", "entropy", "len"],
                                ["tps", "stale", "sync", "signal"],
+                               ["lag", "lag", "tis", "tis"],
                                ["timeline"] * 4])
     steps, evals, syncs = rec.rows("step"), rec.rows("eval"), rec.rows("sync")
     ax = axes["reward"]
@@ -75,9 +77,39 @@ def llm_figure(rec: MetricsRecorder, fig: Figure | None = None, *,
     ok = sum(bool(r["verified"]) for r in checked)
     ax.set(title=f"weight sync time (ms), verified {ok}/{len(checked)} checks",
            xlabel="weight version")
+    plot_token_lag(axes["lag"], steps)
+    ax = axes["tis"]  # with ratio_against="trainer" the whole off-policy correction is here
+    plot_series(ax, *series(steps, "tis_weight_mean"), label="TIS weight, mean", color="tab:blue")
+    plot_series(ax, *series(steps, "tis_capped_frac"), label="TIS weights at tis_cap (fraction)",
+                color="tab:red")
+    plot_series(ax, *series(steps, "ratio_max"), label="largest ratio π_θ / π_old",
+                color="tab:gray")
+    ax.set(title="truncated importance sampling and the largest PPO ratio", xlabel="time (s)")
+    legend_if_any(ax, fontsize=8)
     plot_timeline(axes["timeline"], rec.rows("busy"), window_s=window_s,
                   title=f"actor timeline (last {window_s:.0f} s)" if window_s else "actor timeline")
     return fig
+
+
+def plot_token_lag(ax: Any, steps: list[dict[str, Any]]) -> None:
+    """A heat-map: for each step (x), the share of its tokens sampled ``k`` versions behind the
+    trainer (y), from the rows' ``token_lag_counts``."""
+    rows = [r for r in steps if r.get("token_lag_counts")]
+    mixed = [r["mixed_version_frac"] for r in steps if "mixed_version_frac" in r]
+    if rows:
+        depth = max(len(r["token_lag_counts"]) for r in rows)
+        shares = [[c / max(sum(r["token_lag_counts"]), 1) for c in r["token_lag_counts"]]
+                  + [0.0] * (depth - len(r["token_lag_counts"])) for r in rows]
+        image = ax.imshow(list(map(list, zip(*shares, strict=True))), aspect="auto",
+                          origin="lower", cmap="Purples", vmin=0.0, vmax=1.0,
+                          interpolation="nearest", extent=(rows[0]["step"] - 0.5,
+                                                           rows[-1]["step"] + 0.5, -0.5,
+                                                           depth - 0.5))
+        image.set_label("token lag shares")
+        ax.set_yticks(range(depth))
+    split = f", completions split by a sync: {sum(mixed) / len(mixed):.0%}" if mixed else ""
+    ax.set(title=f"token lag (share of each step's tokens){split}", xlabel="step",
+           ylabel="versions behind")
 
 
 def quiet_libraries() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from grpo_nb.config import InputError
+
 
 class Prompt(NamedTuple):
     """One problem: the rendered prompt text, its token ids, and the reference answer."""
@@ -18,7 +20,8 @@ class Prompt(NamedTuple):
 @dataclass
 class Rollout:
     """One sampled completion; the Scorer fills ``reward`` and ``advantage``, the Reference
-    ``ref_logprobs`` (only with a KL penalty)."""
+    ``ref_logprobs`` (only with a KL penalty). ``token_versions``: the weight version that
+    sampled each completion token; ``policy_version``: the oldest of them."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -31,12 +34,13 @@ class Rollout:
     group_id: int = 0
     latency_s: float = 0.0
     ref_logprobs: list[float] | None = None
+    token_versions: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Group:
     """``group_size`` rollouts of one prompt, generator to trainer; ``policy_version`` is the
-    served weight version when the request went out (a lower bound under pause mode ``keep``)."""
+    version of its oldest token (the one staleness and admission read)."""
 
     group_id: int
     prompt: str
@@ -114,7 +118,7 @@ def load_data(tokenizer: Any, cfg: Any, smoke: bool) -> TaskData:
     test_rows = task.test.select(range(min(cfg.eval_size, len(task.test)))).to_list()
     test, dropped_test = render_prompts(tokenizer, test_rows, cfg.max_prompt_len, kwargs)
     if not train:
-        raise ValueError(f"LLMConfig.max_prompt_len={cfg.max_prompt_len}: every training prompt "
+        raise InputError(f"LLMConfig.max_prompt_len={cfg.max_prompt_len}: every training prompt "
                          f"of {cfg.dataset!r} is longer; raise it")
     used = {**template_defaults(tokenizer), **(kwargs or {})} if has_chat_template(tokenizer) \
         else {}

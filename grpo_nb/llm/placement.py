@@ -41,6 +41,39 @@ def check_placement(cfg: Any) -> None:
     if device_of(cfg) == "cpu" and cfg.sync.transport in ("nccl", "ipc"):
         raise ValueError(f"LLMConfig.sync.transport={cfg.sync.transport!r} needs CUDA, but "
                          "the trainer runs on the CPU: use 'gloo' or 'reload'")
+    if device_of(cfg) == "cuda":
+        check_gpu_transport(cfg.sync.transport, gpu_count())
+
+
+def check_gpu_transport(transport: str, gpus: int) -> None:
+    """Refuse a CUDA transport the GPU placement cannot carry: the server takes the first GPU
+    and the trainer the last, so one GPU holds both and two or more keep them apart."""
+    unset = "or leave sync.transport at 'gloo', which picks the transport by GPU count"
+    if transport == "nccl" and gpus < 2:
+        raise ValueError(
+            f"LLMConfig.sync.transport='nccl' needs two GPUs, but {gpus} is visible: with one "
+            "GPU the server and the trainer share it, and NCCL refuses two ranks on one device "
+            f"('Duplicate GPU detected'). Use sync.transport='ipc' ({unset})")
+    if transport == "ipc" and gpus >= 2:
+        raise ValueError(
+            f"LLMConfig.sync.transport='ipc' needs the server on the trainer's GPU, but with "
+            f"{gpus} GPUs the server runs on the first and the trainer on the last (vLLM's IPC "
+            "engine finds no handle for the server's GPU). Use sync.transport='nccl' "
+            f"({unset}), or make one GPU visible (CUDA_VISIBLE_DEVICES)")
+
+
+def ring_sync(given: dict[str, Any], cfg: Any) -> tuple[WeightSyncConfig, str | None]:
+    """``LLMConfig.sync`` from the fields ``given``; a ``pause_mode`` left out is the ring's
+    for the transport and device, returned with why (for ``cfg.defaults``)."""
+    if "pause_mode" in given:
+        return WeightSyncConfig(**given), None
+    transport, device = given.get("transport", "gloo"), device_of(cfg)
+    if device == "cpu" and transport in ("gloo", "reload"):
+        pause, why = "none", f"vLLM's CPU engine runs a {transport} update between two steps"
+    else:  # on a GPU engine a step may run while an update lands: freeze the requests
+        pause, why = "keep", f"transport {transport!r} on {device}: 'none' is only sure on " \
+                             "vLLM's CPU engine"
+    return WeightSyncConfig(**given, pause_mode=pause), f"{pause} ({why})"
 
 
 def device_of(cfg: Any) -> str:
@@ -93,7 +126,7 @@ def server_config(model_dir: str, cfg: Any) -> Any:
 
     context = cfg.context_len
     device, dtype = device_of(cfg), dtype_of(cfg)
-    scfg = ServerConfig(model=str(model_dir), max_model_len=context, dtype=dtype)
+    scfg = ServerConfig(model=str(model_dir), max_model_len=context, dtype=dtype, device=device)
     if cfg.kv_cache_mb is not None:
         scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
     elif device == "cpu":  # every sequence in flight (+ eval and probes) at full context, bounded

@@ -70,7 +70,7 @@ def completion_logprobs(model: Any, rollouts: list[Rollout], temperature: float 
         part = rollouts[start:start + chunk]
         b = _batch(part, pad_id=0)  # right padding cannot change earlier tokens' log-probs
         lp = grpo.sequence_logprobs(model, b.input_ids.to(dev), b.attention_mask.to(dev),
-                                    temperature).float().cpu()
+                                    temperature, mask=b.loss_mask.to(dev)).float().cpu()
         out += [lp[i][b.loss_mask[i] > 0] for i in range(len(part))]
     return out
 
@@ -155,10 +155,11 @@ class PolicyTrainer:
         # ratio_against="trainer": the "old" policy is the trainer before this step's first
         # update, kept for the later ones (else their ratio would be 1 again).
         olds: list[torch.Tensor | None] = [None] * len(batches)
-        # The batch's loss = Σ micro weight_i · loss_i: token-mean weighs by tokens, the
-        # per-sequence modes by rows (micro-batches may differ in size).
-        sizes = [float(b.loss_mask.sum() if cfg.loss_agg == "token-mean" else len(b.advantages))
-                 for b in batches]
+        # The batch's loss = Σ micro weight_i · loss_i: token-mean weighs by tokens (TRL's
+        # dapo / cispo: the accumulated batch's tokens), bnpo (each micro-batch's own tokens)
+        # and the per-sequence modes by rows (micro-batches may differ in size).
+        by_tokens = cfg.loss_agg == "token-mean" and cfg.loss_type != "bnpo"
+        sizes = [float(b.loss_mask.sum() if by_tokens else len(b.advantages)) for b in batches]
         weights = [n / max(sum(sizes), 1.0) for n in sizes]
         done, sums, grad_norm, changed = 0, {}, math.nan, (0.0, 0.0)
         for _ in range(cfg.num_iterations):
@@ -178,7 +179,11 @@ class PolicyTrainer:
             "step": self.step_count, "loss": sums.get("loss", 0.0), "kl": sums.get("kl", 0.0),
             "clip_frac": sums.get("clip_frac_low", 0.0) + sums.get("clip_frac_high", 0.0),
             "ratio_mean": sums.get("ratio_mean", 1.0),
-            "tis_weight_mean": sums.get("tis_weight_mean", 1.0), "grad_norm": grad_norm,
+            **{k: sums.get(k, 0.0) for k in ("cispo_clip_frac", "dual_clip_frac",
+                                              "delta_clip_frac", "off_policy_masked_frac")},
+            "tis_weight_mean": sums.get("tis_weight_mean", 1.0),
+            "tis_capped_frac": sums.get("tis_frac_capped", 0.0),
+            "ratio_max": sums.get("ratio_max", 1.0), "grad_norm": grad_norm,
             "updates": done, "step_changed_frac": changed[0], "sent_changed_frac": changed[1],
             "reward": float(rewards.mean()), "tokens": int(sum(lengths)),
             "response_len": sum(lengths) / max(len(lengths), 1),
@@ -196,6 +201,7 @@ class PolicyTrainer:
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         tokens = [float(b.loss_mask.sum()) for b in batches]
+        rows = [len(b.advantages) for b in batches]
         for i, (b, weight) in enumerate(zip(batches, weights, strict=True)):
             loss, metrics = self._micro_loss(b, olds, i)
             if not torch.isfinite(loss):
@@ -203,8 +209,14 @@ class PolicyTrainer:
                 return f"loss={float(loss.detach())}", sums, math.nan
             (loss * weight).backward()
             for k, v in metrics.items():
-                # entropy is a token-mean whatever loss_agg weighs the loss by
-                w = tokens[i] / max(sum(tokens), 1.0) if k == "entropy" else weight
+                if k == "ratio_max":  # the largest over the micro-batches, not a mean
+                    sums[k] = max(sums.get(k, v), v)
+                    continue
+                w = weight  # entropy is a token-mean, the masked fraction a sequence-mean,
+                if k == "entropy":  # whatever loss_agg weighs the loss by
+                    w = tokens[i] / max(sum(tokens), 1.0)
+                elif k == "off_policy_masked_frac":
+                    w = rows[i] / max(sum(rows), 1)
                 sums[k] = sums.get(k, 0.0) + w * v
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                          self.cfg.max_grad_norm))
@@ -221,10 +233,10 @@ class PolicyTrainer:
         cfg, dev = self.cfg, self.device
         ids, attn, mask = b.input_ids.to(dev), b.attention_mask.to(dev), b.loss_mask.to(dev)
         with self.autocast():  # the backward follows the forward's dtypes
-            logits = grpo.next_token_logits(self.model, ids, attn)
-            logp = grpo.token_logprobs(logits, ids[:, 1:], cfg.temperature)
-        # From the same logits, no gradient, float32 over the completion tokens only.
-        entropy = grpo.masked_entropy(logits, mask, cfg.temperature)
+            # completion positions only (0 elsewhere); the entropy from the same logits, no
+            # gradient, float32
+            logp, entropy = grpo.sequence_logprobs_and_entropy(self.model, ids, attn,
+                                                               cfg.temperature, mask=mask)
         sampler = b.sampler_logprobs.to(dev)
         extra: dict[str, Any] = {}
         if cfg.ratio_against == "sampler":
@@ -240,7 +252,8 @@ class PolicyTrainer:
             logp, old, b.advantages.to(dev), mask, clip_low=cfg.clip_low,
             clip_high=cfg.clip_high, loss_agg=cfg.loss_agg, max_tokens=cfg.max_tokens,
             dual_clip=cfg.dual_clip, ref_logprobs=ref,
-            kl_coef=cfg.kl_coef if ref is not None else 0.0, **extra)
+            kl_coef=cfg.kl_coef if ref is not None else 0.0, **extra,
+            **{k: getattr(cfg, k) for k in grpo.OBJECTIVE_FIELDS})
         return loss, {**metrics, "entropy": entropy}
 
     def save(self, folder: Path | str, extra: dict[str, Any] | None = None) -> Path:

@@ -1,6 +1,7 @@
 """Sampling a group from the vLLM server, the one way the ring, notebook 04 and ``python -m
-grpo_nb rollouts`` do it (one request with ``n = group_size``); scoring it (rewards, then the
-group's advantages); held-out evaluation."""
+grpo_nb rollouts`` do it (one ``/inference/v1/generate`` request with ``n = group_size``: each
+token comes with the weight version that sampled it); scoring it (rewards, then the group's
+advantages); per-token version lag; held-out evaluation."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from grpo_nb.serving.client import CompletionsClient, policy_salt
 
 # fp32 on both sides: vLLM's and transformers' kernels agree far inside this.
 LOGPROB_TOLERANCE = 1e-4
+VLLM_GREEDY_BELOW = 1e-5  # vllm/v1/sample/sampler.py's _SAMPLING_EPS
 
 
 def sampling_request(cfg: LLMConfig, version: int, seed: int | None = None) -> dict[str, Any]:
@@ -29,23 +31,39 @@ def sampling_request(cfg: LLMConfig, version: int, seed: int | None = None) -> d
             **({} if seed is None else {"seed": seed})}
 
 
+def token_versions(labels: Sequence[str] | None, n_tokens: int, fallback: int) -> list[int]:
+    """Each token's weight version from the server's labels (``/update_weight_version`` sets
+    them); ``fallback`` (the version at submit) for a label that is not an integer (vLLM's
+    ``"default"`` before any sync) or for every token when the server sent none."""
+    if labels is None:
+        return [fallback] * n_tokens
+    return [int(x) if x.lstrip("-").isdigit() else fallback for x in labels]
+
+
 async def sample_group(client: CompletionsClient, prompt: Prompt, cfg: LLMConfig,
                        version: Callable[[], int] = lambda: 0, *, group_id: int = 0,
                        source: str = "", seed: int | None = None,
                        on_abort: Callable[[], None] | None = None) -> Group:
-    """``cfg.group_size`` completions of ``prompt``, unscored; ``version()`` is the served weight
-    version. A group a sync cut short is not one policy's: it is sampled again (``on_abort``)."""
+    """``cfg.group_size`` completions of ``prompt``, unscored, each token with the weight
+    version that sampled it (a sync during the request splits a completion between two);
+    ``version()`` is the trainer's version at submit (the cache salt). A group the server aborted
+    (``pause_mode="abort"``) is incomplete: it is sampled again (``on_abort``)."""
     while True:
         v, start = version(), time.time()
-        outs = await client.complete(prompt.ids, **sampling_request(cfg, v, seed))
+        outs = await client.generate(prompt.ids, **sampling_request(cfg, v, seed))
         if not any(o.finish_reason == "abort" for o in outs):
             break
         if on_abort is not None:
             on_abort()
-    rollouts = [Rollout(list(prompt.ids), o.token_ids, o.logprobs, o.text, o.finish_reason,
-                        policy_version=v, group_id=group_id, latency_s=o.latency_s)
-                for o in outs]
-    return Group(group_id, prompt.text, prompt.answer, list(prompt.ids), rollouts, v,
+    rollouts = []
+    for o in outs:
+        versions = token_versions(o.versions, len(o.token_ids), v)
+        rollouts.append(Rollout(list(prompt.ids), o.token_ids, o.logprobs, o.text,
+                                o.finish_reason, policy_version=min(versions, default=v),
+                                group_id=group_id, latency_s=o.latency_s,
+                                token_versions=versions))
+    oldest = min((r.policy_version for r in rollouts), default=v)
+    return Group(group_id, prompt.text, prompt.answer, list(prompt.ids), rollouts, oldest,
                  t_submit=start, t_done=time.time(), source=source)
 
 
@@ -56,6 +74,11 @@ def score_group(group: Group, reward: Callable[[str, str], float],
     for r in group.rollouts:
         r.reward = float(reward(r.completion_text, group.answer)) \
             if r.finish_reason == "stop" else 0.0
+    return set_advantages(group, adv_scale)
+
+
+def set_advantages(group: Group, adv_scale: grpo.AdvScale) -> Group:
+    """Set each rollout's advantage within the group, from the rewards set."""
     adv = grpo.group_advantages(torch.tensor(group.rewards), len(group.rollouts), scale=adv_scale)
     for r, a in zip(group.rollouts, adv.tolist(), strict=True):
         r.advantage = a
@@ -82,15 +105,34 @@ def flatten(groups: Sequence[Group]) -> list[Rollout]:
     return [r for g in groups for r in g.rollouts]
 
 
-def logprob_agreement(model: Any, groups: Sequence[Group]) -> dict[str, float]:
-    """vLLM's sampler log-probs against ``model``'s, token by token (sample at temperature 1)."""
+def token_lags(groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
+    """The lag of every completion token the trainer at ``trainer_version`` updates on
+    (``trainer_version`` − the version that sampled it): mean, max, the number of tokens at
+    each lag 0, 1, … (``token_lag_counts``), and the fraction of completions whose tokens
+    span more than one version."""
+    rollouts = flatten(groups)
+    lags = [trainer_version - v for r in rollouts for v in r.token_versions]
+    return {"token_lag_mean": sum(lags) / len(lags) if lags else 0.0,
+            "token_lag_max": max(lags, default=0),
+            "token_lag_counts": [lags.count(k) for k in range(max(lags, default=-1) + 1)],
+            "mixed_version_frac": sum(len(set(r.token_versions)) > 1 for r in rollouts)
+            / max(len(rollouts), 1)}
+
+
+def logprob_agreement(model: Any, groups: Sequence[Group], *,
+                      temperature: float) -> dict[str, float]:
+    """vLLM's sampler log-probs against ``model``'s, token by token, for groups sampled at
+    ``temperature``: the server returns processed log-probs (``log_softmax(logits / T)``, see
+    :mod:`grpo_nb.serving.server`), so ``model``'s are taken at the same ``T``; below
+    ``VLLM_GREEDY_BELOW`` vLLM samples greedily and returns them at temperature 1."""
     from grpo_nb.llm.policy import completion_logprobs
 
     rollouts = flatten(groups)
     if not rollouts:
         raise ValueError("no rollouts to compare")
+    t = temperature if temperature >= VLLM_GREEDY_BELOW else 1.0
     diffs = torch.cat([(mine - torch.tensor(r.sampler_logprobs)).abs() for mine, r in
-                       zip(completion_logprobs(model, rollouts), rollouts, strict=True)])
+                       zip(completion_logprobs(model, rollouts, t), rollouts, strict=True)])
     return {"max_abs_diff": float(diffs.max()), "mean_abs_diff": float(diffs.mean()),
             "tokens": int(diffs.numel()), "tolerance": LOGPROB_TOLERANCE}
 

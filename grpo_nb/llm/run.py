@@ -138,11 +138,12 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
         resolve_checkpoint(run_dir / "checkpoint")  # none: fail before a server starts
     else:
         run_dir = runs_dir() / (name or unique_run_name(f"llm-{cfg.mode}"))
-    rec = MetricsRecorder(run_dir, append=resume is not None)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
     from transformers import AutoTokenizer
 
+    # The data before the run folder: bad input (InputError) leaves neither a folder nor a server.
     data = await asyncio.to_thread(load_data, AutoTokenizer.from_pretrained(model), cfg, smoke)
+    rec = MetricsRecorder(run_dir, append=resume is not None)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
     rec.log("data", train=len(data.train), test=len(data.test), filtered=data.filtered,
             task=data.kind, prompt_example=data.prompt_example,
             chat_template_kwargs=data.template_kwargs)

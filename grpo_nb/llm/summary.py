@@ -32,12 +32,18 @@ class RunResult:
     skipped_steps: int = 0
     failed_requests: int = 0
     aborted_groups: int = 0
+    score_timeouts: int = 0  # completions scored 0 for a reward past LLMConfig.score_timeout_s
     step_changed_frac: float = math.nan  # ≈ 0 when bf16 updates round away
     entropy_start: float = math.nan
     entropy_end: float = math.nan
     zero_std_frac_mean: float = math.nan
     truncated_frac_mean: float = math.nan
     response_len_mean: float = math.nan
+    # per token: trainer version at the update − the version that sampled it (steps' mean, max)
+    token_lag_mean: float = math.nan
+    token_lag_max: float = math.nan
+    mixed_version_frac: float = math.nan  # completions spanning two or more weight versions
+    tis_capped_frac_mean: float = math.nan  # tokens whose TIS weight hit tis_cap
     defaults: dict[str, str] = field(default_factory=dict)
 
 
@@ -71,12 +77,18 @@ def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int)
         skipped_steps=len(rec.rows("skipped")),
         failed_requests=len(rec.rows("request_failed")),
         aborted_groups=len(rec.rows("aborted")),
+        score_timeouts=len(rec.rows("score_timeout")),
         step_changed_frac=_mean(r.get("step_changed_frac") for r in steps),
         entropy_start=_mean(r.get("entropy") for r in steps[:1]),
         entropy_end=_mean(r.get("entropy") for r in steps[-1:]),
         zero_std_frac_mean=_mean(r.get("zero_std_frac") for r in steps),
         truncated_frac_mean=_mean(r.get("truncated_frac") for r in steps),
         response_len_mean=_mean(r.get("response_len") for r in steps),
+        token_lag_mean=_mean(r.get("token_lag_mean") for r in steps),
+        token_lag_max=max((r["token_lag_max"] for r in steps if "token_lag_max" in r),
+                          default=math.nan),
+        mixed_version_frac=_mean(r.get("mixed_version_frac") for r in steps),
+        tis_capped_frac_mean=_mean(r.get("tis_capped_frac") for r in steps),
         defaults=defaults,
     )
 

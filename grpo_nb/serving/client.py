@@ -1,5 +1,7 @@
-"""An async client for vLLM's ``/v1/completions``: token ids in, token ids and log-probs out;
-aborted choices come back with ``finish_reason="abort"`` for the caller to resample."""
+"""An async client for vLLM's ``/v1/completions`` and its token-in/token-out
+``/inference/v1/generate``: token ids in, token ids and log-probs out (and, from the latter, the
+weight version that sampled each token); aborted choices come back with
+``finish_reason="abort"`` for the caller to resample."""
 
 from __future__ import annotations
 
@@ -24,6 +26,22 @@ def policy_salt(version: int) -> str:
     """The ``cache_salt`` of requests sampled under weight ``version``: no request of a newer
     policy starts from prompt KV that older weights computed."""
     return f"policy-v{version}"
+
+
+def span_labels(spans: list[dict[str, Any]], n_tokens: int) -> list[str]:
+    """Each output token's weight-version label, from vLLM's ``weight_versions``: contiguous
+    ``{"version", "start", "end"}`` spans of token indexes ``[start, end)`` that must tile
+    ``0 .. n_tokens`` exactly (``ValueError`` otherwise)."""
+    labels: list[str] = []
+    for span in spans:
+        start, end = int(span["start"]), int(span["end"])
+        if start != len(labels) or end < start:
+            raise ValueError(f"weight_versions span [{start}, {end}) does not start at token "
+                             f"{len(labels)}: {spans}")
+        labels += [str(span["version"])] * (end - start)
+    if len(labels) != n_tokens:
+        raise ValueError(f"weight_versions cover {len(labels)} tokens, not {n_tokens}: {spans}")
+    return labels
 
 
 class CompletionError(RuntimeError):
@@ -62,6 +80,7 @@ class Completion:
     finish_reason: str | None
     latency_s: float
     prompt_token_ids: list[int] | None = None
+    versions: list[str] | None = None  # each token's weight-version label (generate only)
 
 
 @dataclass
@@ -103,8 +122,9 @@ class CompletionsClient:
         if self._http is None or self._http.is_closed:
             # The semaphore is the limit, not the pool; timeout_s bounds each attempt as a whole.
             limits = httpx.Limits(max_connections=self.cfg.max_in_flight + 4)
+            # trust_env=False: a proxy from HTTP_PROXY & co. never sees the loopback server
             self._http = httpx.AsyncClient(headers=auth_headers(self.api_key), limits=limits,
-                                           timeout=None)
+                                           timeout=None, trust_env=False)
         return self._http
 
     async def close(self) -> None:
@@ -133,10 +153,26 @@ class CompletionsClient:
                 "logprobs": 1, "return_token_ids": True, **extra}
         async with self._sem:
             self.stats.requests += 1
-            return await self._post_with_retries(body)
+            return await self._post_with_retries(body, f"{self.base_url}/completions")
 
-    async def _post_with_retries(self, body: dict[str, Any]) -> list[Completion]:
-        url = f"{self.base_url}/completions"
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int = 16,
+                       temperature: float = 1.0, top_p: float = 1.0, n: int = 1,
+                       cache_salt: str | None = None, **extra: Any) -> list[Completion]:
+        """:meth:`complete` through ``POST /inference/v1/generate`` (a server started with
+        ``--enable-scale-out``), where each completion also carries the weight-version label
+        that sampled each token (``Completion.versions``, set by ``/update_weight_version``).
+        ``extra`` joins ``sampling_params`` as is (``seed``, ``ignore_eos`` …)."""
+        params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                  **NEUTRAL_SAMPLING, "n": n, "logprobs": 0, **extra}
+        # output_mode "text": the server detokenizes as /v1/completions does (the reward's text)
+        body = {"model": self.model, "token_ids": list(prompt_ids), "output_mode": "text",
+                "sampling_params": params, **({"cache_salt": cache_salt} if cache_salt else {})}
+        url = f"{self.base_url.removesuffix('/v1')}/inference/v1/generate"
+        async with self._sem:
+            self.stats.requests += 1
+            return await self._post_with_retries(body, url)
+
+    async def _post_with_retries(self, body: dict[str, Any], url: str) -> list[Completion]:
         for attempt in range(self.cfg.retries + 1):
             t0 = time.perf_counter()
             try:
@@ -165,18 +201,28 @@ class CompletionsClient:
         out = []
         for choice in payload.get("choices", []):
             ids = list(choice.get("token_ids") or [])
-            lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+            lp = choice.get("logprobs") or {}  # /v1/completions' shape, else generate's
+            lps = [float(x) for x in lp["token_logprobs"] or []] if "token_logprobs" in lp \
+                else [float(c["logprob"]) for c in lp.get("content") or []]
             reason, text = choice.get("finish_reason"), choice.get("text") or ""
+            versions = None
+            if choice.get("weight_versions") is not None:
+                try:
+                    versions = span_labels(choice["weight_versions"], len(ids))
+                except (ValueError, KeyError, TypeError) as err:
+                    raise self._fail("http_5xx", f"malformed weight_versions: {err}") from err
             if reason == "abort":  # cut short by the server, maybe with no token: returned
                 self.stats.aborted += 1
                 ids, lps = ids[:len(lps)], lps[:len(ids)]
+                versions = None if versions is None else versions[:len(ids)]
             elif not ids:
                 raise self._fail("empty", f"completion with no tokens (finish_reason={reason!r})")
             elif len(lps) != len(ids):
                 raise self._fail("http_5xx", f"{len(ids)} token ids but {len(lps)} log-probs")
             elif not text:
                 self.stats.empty_text += 1
-            out.append(Completion(ids, lps, text, reason, latency, choice.get("prompt_token_ids")))
+            out.append(Completion(ids, lps, text, reason, latency, choice.get("prompt_token_ids"),
+                                  versions))
         if not out:
             raise self._fail("empty", "response without choices")
         self.stats.ok += 1

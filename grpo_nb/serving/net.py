@@ -1,5 +1,6 @@
 """Loopback and HTTP helpers: nothing of ours listens anywhere but loopback (vLLM's weight
-routes and the gloo store trust whoever connects), and every HTTP call goes through ``httpx``."""
+routes and the gloo store trust whoever connects), and every HTTP call goes through ``httpx``
+with ``trust_env=False``: a proxy from ``HTTP_PROXY`` & co. never sees a loopback request."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import ipaddress
 import os
 import socket
 import threading
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:  # imported by the first call: configs and the GPU probe need no httpx
+    import httpx
 
 LOOPBACK = "127.0.0.1"
 _LOCAL = threading.local()
@@ -17,8 +20,10 @@ _LOCAL = threading.local()
 def http() -> httpx.Client:
     """This thread's ``httpx.Client`` (connections kept alive). A sync calls from two threads: one
     client each, so a connection a failed call on one thread left closed is not reused by the other."""
+    import httpx
+
     if getattr(_LOCAL, "client", None) is None:
-        _LOCAL.client = httpx.Client()
+        _LOCAL.client = httpx.Client(trust_env=False)
     return _LOCAL.client
 
 

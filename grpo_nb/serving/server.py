@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+# httpx and psutil (grpo_nb.serving.processes) are imported where a server is reached or
+# started: ServerConfig alone (placement, the GPU probe) needs neither
 from grpo_nb.config import cache_dir, env_flag, runs_dir
 from grpo_nb.partition import cuda_available, format_cpus, parse_cpus, plan
-from grpo_nb.serving import processes
 from grpo_nb.serving.net import auth_headers, env_api_key, free_port, http, is_loopback
 
 INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"  # unpickles request data: loopback only
@@ -37,6 +36,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     dtype: str | None = None
+    device: str = "auto"  # "cpu", "cuda"; "auto": CUDA where torch sees it
     max_model_len: int = 512
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.5
@@ -61,6 +61,7 @@ class ServerConfig:
         """Raise ``ValueError`` naming the field (run again at start: fields may change)."""
         for name, ok, rule in (
                 ("port", 0 <= self.port <= 65535, "0 (pick a free port) .. 65535"),
+                ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
                 ("max_model_len", self.max_model_len >= 8, "≥ 8"),
                 ("kv_cache_bytes", (self.kv_cache_bytes or 1 << 20) >= 1 << 20, "≥ 1 MiB"),
                 ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "(0, 1]"),
@@ -91,6 +92,10 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.env[{INSECURE_ENV!r}] lets the server unpickle "
                              f"request data: allowed on loopback only, not host={self.host!r}")
 
+    def on_gpu(self) -> bool:
+        """Whether the server runs on CUDA (``device``; "auto": where torch sees it)."""
+        return self.device == "cuda" or (self.device == "auto" and cuda_available())
+
     @classmethod
     def smoke(cls, model: str | Path = "") -> ServerConfig:
         """Small KV cache, short context: the tiny model on a 2-core CPU (notebook 04)."""
@@ -107,7 +112,11 @@ class ServerConfig:
                "--logprobs-mode", "processed_logprobs",
                # vLLM's neutral defaults, not the folder's generation_config.json, for any
                # sampling field a request leaves unset (our clients set every one anyway)
-               "--generation-config", "vllm"]
+               "--generation-config", "vllm",
+               # routes /inference/v1/generate (the sampler's: per-token weight versions) and
+               # vLLM's render / derender, all under the API key's prefixes; the server builds
+               # their handlers with or without it, the flag only adds the routes
+               "--enable-scale-out"]
         if gpu:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         kv = self.kv_cache_bytes if self.kv_cache_bytes is not None else (None if gpu else 64 << 20)
@@ -123,6 +132,8 @@ class ServerConfig:
 
     def environment(self, server_id: str, gpu: bool,
                     cpus: tuple[int, ...] | None = None) -> dict[str, str]:
+        from grpo_nb.serving import processes
+
         env = dict(os.environ)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would silently override kv_cache_bytes
         env.pop("VLLM_API_KEY", None)  # the server's key is ours to set, not inherited
@@ -183,6 +194,8 @@ class VLLMServer:
     @classmethod
     def attach(cls, url: str, *, api_key: str | None = None, timeout: float = 10.0) -> VLLMServer:
         """Use a server someone else runs (``stop()`` leaves it running)."""
+        import httpx
+
         url = url.rstrip("/").removesuffix("/v1")
         host, _, port = url.split("://", 1)[-1].rpartition(":")
         server = cls(None, _owned=False)
@@ -203,6 +216,8 @@ class VLLMServer:
         return self.proc.poll() is None
 
     def healthy(self) -> bool:
+        import httpx
+
         try:
             resp = http().get(f"{self.url}/health", headers=auth_headers(self.api_key), timeout=2)
             return resp.status_code == 200
@@ -218,6 +233,8 @@ class VLLMServer:
 
     def _spawn(self) -> None:
         """Validate, register, spawn the server and its watchdog (fast; no waiting)."""
+        from grpo_nb.serving import processes
+
         with self._lock:
             if not self._owned:
                 raise RuntimeError("an attached server cannot be started")
@@ -228,7 +245,7 @@ class VLLMServer:
             for old in [s for s in _LIVE if self.cfg.name and s.cfg.name == self.cfg.name]:
                 print(f"stopping the previous server named {self.cfg.name!r} ({old.url})")
                 old.stop()
-            gpu = cuda_available()
+            gpu = self.cfg.on_gpu()
             self.port = self.cfg.port or free_port(self.cfg.host)
             log_dir = Path(self.cfg.log_dir) if self.cfg.log_dir else runs_dir() / "vllm"
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -292,10 +309,14 @@ class VLLMServer:
 
     def pids(self) -> list[int]:
         """Every process of this server (found by the marker in their environment)."""
+        from grpo_nb.serving import processes
+
         return [p.pid for p in processes.marked_processes([self.server_id])] if self._owned else []
 
     def stop(self, timeout: float = 20.0) -> None:
         """End the whole process tree: SIGTERM the group, wait, then SIGKILL what is left."""
+        from grpo_nb.serving import processes
+
         with self._lock:
             self._stopped = True
             if self._owned and self.proc is not None:

@@ -6,9 +6,10 @@ import dataclasses
 import random
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
+if TYPE_CHECKING:
+    import datasets
 
 OPS = ("+", "-")
 ARITHMETIC_NAME = re.compile(r"arithmetic(?::(?P<digits>\d+)digits?)?(?::(?P<ops>[+-]+))?")
@@ -73,6 +74,8 @@ def format_problem(a: int, b: int, op: str, digits: int) -> tuple[str, str]:
 
 def make_dataset(cfg: ArithmeticTaskConfig | None = None) -> datasets.DatasetDict:
     """Generate the train / test splits: columns ``prompt``, ``answer``, ``a``, ``b``, ``op``."""
+    import datasets  # here, not at import: the configs and the probe run without it
+
     cfg = cfg or ArithmeticTaskConfig()
     rng = random.Random(cfg.seed)
     problems: dict[tuple[int, int, str], None] = {}  # distinct, in the order drawn

@@ -10,10 +10,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
-
+from grpo_nb.config import InputError
 from grpo_nb.tasks.arithmetic import (
     ARITHMETIC_NAME,
     ArithmeticTaskConfig,
@@ -21,7 +20,11 @@ from grpo_nb.tasks.arithmetic import (
     is_arithmetic_name,
     make_dataset,
 )
+from grpo_nb.tasks.files import check_data_file, check_data_folder
 from grpo_nb.tasks.rewards import after_hashes, extract_answer, reward_terms
+
+if TYPE_CHECKING:  # imported where data is loaded: checking a config needs no datasets
+    import datasets
 
 HUB_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -66,22 +69,40 @@ def dataset_source(dataset: str) -> str:
 
 
 def _load_local(path: Path) -> datasets.DatasetDict:
+    import datasets
+
     if path.is_file():
-        if path.stat().st_size == 0:
-            raise ValueError(f"dataset {path}: the file is empty")
+        check_data_file(path)  # a malformed file: its line named here, not the loader's row
         builder = FILE_BUILDERS[path.suffix.lower()]
-        return datasets.load_dataset(builder, data_files=str(path))
+        try:
+            return datasets.load_dataset(builder, data_files=str(path))
+        except datasets.exceptions.DatasetGenerationError as err:  # e.g. a column's type changes
+            raise InputError(f"dataset {path}: the {builder} loader could not read it "
+                             f"({_root_cause(err)}); expected {FORMATS}") from None
     if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
         loaded = datasets.load_from_disk(str(path))  # a save_to_disk() folder
         return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(
             train=loaded)
+    check_data_folder(path)
     try:
         return datasets.load_dataset(str(path))  # train.jsonl / test.parquet / data/… layouts
     except (FileNotFoundError, ValueError) as err:
-        raise ValueError(f"dataset {path}: no .json/.jsonl/.parquet data in it ({err})") from None
+        raise InputError(f"dataset {path}: no .json/.jsonl/.parquet data in it ({err})") from None
+    except datasets.exceptions.DatasetGenerationError as err:
+        raise InputError(f"dataset {path}: the loader could not read its files "
+                         f"({_root_cause(err)}); expected {FORMATS}") from None
+
+
+def _root_cause(err: BaseException) -> str:
+    """The first line of the innermost error ``err`` was raised from."""
+    while (inner := err.__cause__ or err.__context__) is not None:
+        err = inner
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
 
 
 def _load_hub(name: str) -> datasets.DatasetDict:
+    import datasets
+
     repo, _, config = name.partition(":")
     try:
         return datasets.load_dataset(repo, config or HUB_CONFIGS.get(repo))
@@ -97,19 +118,47 @@ def _splits(data: datasets.DatasetDict, where: str, test_size: int | float | Non
             split_seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
     """The source's own train/test splits, else a seeded split of ``test_size`` rows (or 10 %)."""
     if not data:
-        raise ValueError(f"{where}: no data")
+        raise InputError(f"{where}: no data")
     train_name = "train" if "train" in data else next(iter(data))
     test_name = next((s for s in ("test", "validation") if s in data and s != train_name), None)
     train = data[train_name]
+    _check_format({train_name: train, **({test_name: data[test_name]} if test_name else {})},
+                  where)
     if test_name is not None:
         return train, data[test_name]
     size = 0.1 if test_size is None else test_size
     count = round(size * len(train)) if isinstance(size, float) else int(size)
     if not 1 <= count < len(train):
-        raise ValueError(f"test_size={test_size!r}: {where} has {len(train)} rows and no test "
+        raise InputError(f"test_size={test_size!r}: {where} has {len(train)} rows and no test "
                          "split; hold out at least 1 row and leave at least 1 to train on")
     split = train.train_test_split(test_size=count, seed=split_seed)
     return split["train"], split["test"]
+
+
+def _check_format(splits: dict[str, datasets.Dataset], where: str) -> None:
+    """Each split's rows in one of :data:`FORMATS`, every row with its fields: checked before a
+    test split is held out, so a missing field is named as such (not as too few rows to split)."""
+    import pyarrow.compute as pc
+
+    for name, split in splits.items():
+        cols = set(split.column_names)
+        question = next((q for q in ("question", "problem") if q in cols), None)
+        if "messages" in cols:
+            needed = ["messages"]
+        elif question is None:
+            raise InputError(f"{where} ({name}): unknown row format, columns {sorted(cols)}; "
+                             f"expected {FORMATS}")
+        elif "answer" not in cols:
+            raise InputError(f"{where} ({name}): the rows have a {question!r} field but no "
+                             f"'answer' field; expected {FORMATS}")
+        else:
+            needed = [question, "answer"]
+        for col in needed:
+            column = split.data.table.column(col)
+            if column.null_count:
+                row = pc.index(pc.is_null(column), True).as_py() + 1
+                raise InputError(f"{where} ({name}), row {row} (counting from 1): no {col!r} "
+                                 "value; every row needs one")
 
 
 def _with_messages(ds: datasets.Dataset, system_prompt: str | None) -> datasets.Dataset:
@@ -133,13 +182,13 @@ def _from_messages(row: Row, where: str, system_prompt: str | None) -> Row:
     turns = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"] or []]
     users = [t["content"] for t in turns[:-1] if t["role"] == "user"]
     if not users or turns[-1]["role"] != "assistant":
-        raise ValueError(f"{where}: 'messages' must end with the assistant's answer after a "
+        raise InputError(f"{where}: 'messages' must end with the assistant's answer after a "
                          f"user turn; roles are {[t['role'] for t in turns]}")
     answer = row.get("answer")
     answer = (after_hashes(str(answer)) or str(answer).strip()) if answer is not None else (
         extract_answer(turns[-1]["content"], last_number=False))
     if not answer:
-        raise ValueError(f"{where}: cannot find the final answer in the assistant turn "
+        raise InputError(f"{where}: cannot find the final answer in the assistant turn "
                          f"{turns[-1]['content'][-80:]!r}: end it with '#### N' or "
                          "'\\boxed{N}', or add an 'answer' column")
     return {"prompt": users[-1], "messages": _chat(system_prompt, turns[:-1]), "answer": answer}
@@ -159,7 +208,7 @@ def _row_converter(columns: list[str], where: str, system_prompt: str | None,
         prompt = f"{text}\n{instruction}" if instruction else text
         answer = str(row["answer"]).strip()  # OpenR1-Math: the answer itself
         if question == "question" and (answer := after_hashes(answer)) is None:
-            raise ValueError(f"{where}, row {i}: GSM8K answer without '#### <final answer>': "
+            raise InputError(f"{where}, row {i}: GSM8K answer without '#### <final answer>': "
                              f"{str(row['answer'])[-80:]!r}")
         return {"prompt": prompt, "answer": answer,
                 "messages": _chat(system_prompt, [{"role": "user", "content": prompt}])}
@@ -188,7 +237,7 @@ def load_task(dataset: str, *, test_size: int | float | None = None, split_seed:
     rows = {}
     for name, raw in (("train", train), ("test", test)):  # as prompt, messages, answer rows
         if len(raw) == 0:
-            raise ValueError(f"{where} ({name}): no rows")
+            raise InputError(f"{where} ({name}): no rows")
         convert = _row_converter(raw.column_names, f"{where} ({name})", system_prompt, instruction)
         rows[name] = raw.map(convert, with_indices=True, remove_columns=raw.column_names)
     return Task("math", rows["train"], rows["test"])

@@ -155,7 +155,8 @@ class Trainer(Sink):
         logp = policy_logprobs(self.policy, obs, acts).reshape(-1, 1)
         loss, m = grpo.policy_loss(
             logp, old, adv, torch.ones_like(logp), clip_low=cfg.clip, clip_high=cfg.clip,
-            ref_logprobs=ref, kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind,
+            ref_logprobs=ref, kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, max_tokens=1,
+            **{k: getattr(cfg, k) for k in grpo.OBJECTIVE_FIELDS},
         )
         self.opt.zero_grad()
         loss.backward()
@@ -172,6 +173,7 @@ class Trainer(Sink):
             "kl": m["kl"],
             "clip_frac": m["clip_frac_low"] + m["clip_frac_high"],
             "ratio_mean": m["ratio_mean"],
+            **{k: m[k] for k in ("cispo_clip_frac", "delta_clip_frac", "off_policy_masked_frac")},
             "zero_std_groups": grpo.zero_std_groups(rewards, cfg.group_size),
             "zero_std_frac": grpo.zero_std_fraction(rewards, cfg.group_size),
             "staleness": [step - g.version for g in groups],

@@ -11,7 +11,17 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from grpo_nb.grpo import ADV_SCALES, KL_KINDS, AdvScale, KLKind
+from grpo_nb.grpo import (
+    ADV_SCALES,
+    KL_KINDS,
+    SAPO_TEMPERATURE_NEG,
+    SAPO_TEMPERATURE_POS,
+    AdvScale,
+    ISLevel,
+    KLKind,
+    LossType,
+    check_objective,
+)
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,15 @@ class ToyConfig:
     kl_coef: float = 0.02
     kl_kind: KLKind = "k3"
     adv_scale: AdvScale = "std"  # "none": no division by the group's std (Dr. GRPO)
+    # TRL GRPOConfig's names and meanings, as LLMConfig's (grpo.policy_loss; clip is both
+    # bounds, and CISPO's cap on the weight r): loss_type None is PPO-clip; with one token per
+    # sample every aggregation is the mean, and "sequence" (GSPO) equals "token".
+    loss_type: LossType | None = None
+    importance_sampling_level: ISLevel = "token"
+    off_policy_mask_threshold: float | None = None  # drop A < 0 samples drifted beyond it
+    delta: float | None = None  # INTELLECT-2's cap on r for A < 0
+    sapo_temperature_pos: float = SAPO_TEMPERATURE_POS  # SAPO's gate temperature for A > 0
+    sapo_temperature_neg: float = SAPO_TEMPERATURE_NEG  # and for A <= 0
     seed: int = 0
     # Simulated decode time per group (an MLP samples in microseconds) and its log-normal tail.
     gen_delay_s: float = 0.02
@@ -64,6 +83,13 @@ class ToyConfig:
                               ("backend", ("asyncio", "monarch")), ("layout", ("per_role", "shared"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ToyConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        check_objective(loss_type=self.loss_type,
+                        importance_sampling_level=self.importance_sampling_level,
+                        off_policy_mask_threshold=self.off_policy_mask_threshold,
+                        delta=self.delta, clip_high=self.clip,
+                        sapo_temperature_pos=self.sapo_temperature_pos,
+                        sapo_temperature_neg=self.sapo_temperature_neg, prefix="ToyConfig.",
+                        clip_high_name="clip")
 
     @classmethod
     def smoke(cls) -> ToyConfig:

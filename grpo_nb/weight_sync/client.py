@@ -7,13 +7,14 @@ import threading
 import time
 from typing import Any
 
-import httpx
-
 from grpo_nb.serving.net import auth_headers, env_api_key, http
 
 
 class WeightSyncError(RuntimeError):
-    """A weight sync (or its verification) failed; the trainer's version must not advance."""
+    """A weight sync (or its verification) failed; the trainer's version must not advance.
+    ``status``: the HTTP status the server answered with (None: no answer, or no request)."""
+
+    status: int | None = None
 
 
 class VLLMControlClient:
@@ -24,6 +25,9 @@ class VLLMControlClient:
         self.timeout = timeout
         self.api_key = api_key or env_api_key()  # a keyed server answers 401 on /v1 without it
         self.round_trips = 0
+        # Bounds start / update / finish of a weight update, whose time grows with the model's
+        # bytes (the syncer sets it: WeightSyncConfig.transfer_timeout); None: ``timeout``.
+        self.update_timeout: float | None = None
         self._count_lock = threading.Lock()
         self._model: str | None = None
 
@@ -35,20 +39,22 @@ class VLLMControlClient:
         self._request("POST", "init_weight_transfer_engine", json={"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._request("POST", "start_weight_update")
+        self._request("POST", "start_weight_update", timeout=self.update_timeout)
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        from vllm.distributed.weight_transfer.clients import _json_safe_update_payload
+        from grpo_nb.weight_sync.vllm_compat import json_safe_update_payload
 
-        # CUDA-IPC handles are not JSON: vLLM's helper pickles them (ipc engine only).
-        self._request("POST", "update_weights",
-                      json={"update_info": _json_safe_update_payload(update_info)})
+        # CUDA-IPC handles are not JSON: vLLM's encoding pickles them (ipc engine only).
+        self._request("POST", "update_weights", timeout=self.update_timeout,
+                      json={"update_info": json_safe_update_payload(update_info)})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = {"weight_version": weight_version} if weight_version is not None else None
-        self._request("POST", "finish_weight_update", json=body)
+        self._request("POST", "finish_weight_update", json=body, timeout=self.update_timeout)
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        import httpx  # here: configuring a sync (and the GPU probe) needs no httpx
+
         url = f"{self.base_url}/{path.lstrip('/')}"
         with self._count_lock:
             self.round_trips += 1
@@ -58,8 +64,10 @@ class VLLMControlClient:
         except httpx.TransportError as err:
             raise WeightSyncError(f"{method} {url}: {type(err).__name__}: {err}") from err
         if not response.is_success:
-            raise WeightSyncError(f"{method} {url} → HTTP {response.status_code}: "
-                                  f"{response.text[:500]}")
+            refused = WeightSyncError(f"{method} {url} → HTTP {response.status_code}: "
+                                      f"{response.text[:500]}")
+            refused.status = response.status_code
+            raise refused
         return response
 
     def pause(self, mode: str = "keep") -> None:
@@ -94,6 +102,13 @@ class VLLMControlClient:
                 return False
             time.sleep(0.01)
 
+    def weight_checksums(self, timeout: float | None = None) -> dict[str, str]:
+        """vLLM's ``/weight_checker`` (``checksum``): sha256 of every parameter the served model
+        holds, as loaded and processed, keyed ``dp0:pp0:pcp0:tp0:<name>`` (one per worker)."""
+        reply = self._request("POST", "weight_checker", json={"action": "checksum"},
+                              timeout=timeout)
+        return dict(reply.json()["checksums"])
+
     def weight_version(self) -> str | None:
         return self._request("GET", "weight_info").json().get("weight_version")
 
@@ -125,3 +140,61 @@ class VLLMControlClient:
             rows.append([float(entries[i][str(tok)]["logprob"])
                          for i, tok in enumerate(seq) if i > 0])
         return rows
+
+
+class EngineClient:
+    """The control client as one trainer-side transfer engine holds it (vLLM's four-method
+    ``VLLMWeightSyncClient`` protocol and ``collective_rpc``, each passed to :attr:`client`):
+    once the syncer abandons the engine every call is refused, so its thread, still running,
+    cannot act on the next sync's update; :attr:`receiving` says whether an ``update_weights``
+    was sent that the server has not answered (its worker may still be inside that receive)."""
+
+    def __init__(self, client: VLLMControlClient) -> None:
+        self.client = client
+        self.receiving = False
+        self._revoked = False
+        self._lock = threading.Lock()
+
+    def revoke(self) -> bool:
+        """Refuse every later call; returns :attr:`receiving` as it was then."""
+        with self._lock:
+            self._revoked = True
+            return self.receiving
+
+    def _admit(self, call: str) -> None:
+        if self._revoked:
+            raise WeightSyncError(f"{call} refused: the sync that started this transfer "
+                                  "abandoned it")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        with self._lock:
+            self._admit("init_weight_transfer_engine")
+        self.client.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        with self._lock:
+            self._admit("start_weight_update")
+        self.client.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._admit("update_weights")
+            self.receiving = True
+        try:
+            self.client.update_weights(update_info)
+        except WeightSyncError as err:
+            if err.status is not None:  # the server answered: its worker left the receive
+                self.receiving = False
+            raise
+        self.receiving = False
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        with self._lock:
+            self._admit("finish_weight_update")
+        self.client.finish_weight_update(weight_version)
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        with self._lock:
+            self._admit(method)
+        return self.client.collective_rpc(method, kwargs, timeout)

@@ -14,6 +14,11 @@ Transport = Literal["gloo", "reload", "nccl", "ipc"]
 PauseMode = Literal["keep", "wait", "abort", "none"]
 EXTENSION = "grpo_nb.weight_sync.worker.GrpoWorkerExtension"
 SEND_DTYPES = ("float32", "bfloat16", "float16")
+# The slowest rate a transfer's bytes are assumed to move at: a verified sync digests every byte
+# on the worker (verify.digest: a copy to the CPU, then blake2b on one core), which ran at
+# 0.2 GB/s on this project's 2-core CPU machine under load (a 64 MiB bf16 tensor); half that
+# allows a slower host. 20 GB (≈ 10B parameters in bf16) is then given 200 s, not 20.
+TRANSFER_BYTES_PER_S = 0.1e9
 
 
 @dataclass
@@ -26,7 +31,8 @@ class WeightSyncConfig:
     pause_mode: PauseMode = "keep"
     verify: bool = True  # check that the server received exactly the trainer's weights
     send_dtype: str | None = None  # what tensors travel (and are checked) in; None: the server's
-    timeout_s: float = 20.0  # bounds every HTTP call, the group, and each transfer as a whole
+    # bounds every HTTP call; the group and each transfer as a whole: transfer_timeout(bytes)
+    timeout_s: float = 20.0
     atol: float = 1e-3  # what the teaching probe (weight_gap) is read against; verify is exact
     probe_batch: int = 4  # the probe's number of sequences
     probe_len: int = 32  # and their length
@@ -46,6 +52,11 @@ class WeightSyncConfig:
                              f"server's dtype) or one of {', '.join(SEND_DTYPES)}")
         if self.timeout_s <= 0:
             raise ValueError(f"WeightSyncConfig.timeout_s={self.timeout_s}: must be > 0")
+
+    def transfer_timeout(self, nbytes: int) -> float:
+        """Seconds one transfer of ``nbytes`` may take: ``timeout_s``, or ``nbytes`` at
+        :data:`TRANSFER_BYTES_PER_S` where that is longer (a large model)."""
+        return max(self.timeout_s, nbytes / TRANSFER_BYTES_PER_S)
 
     def server_settings(self) -> dict[str, Any]:
         """The ``serving.ServerConfig`` fields the server needs for this transport."""
@@ -67,6 +78,9 @@ class SyncResult:
     verified: bool | None  # None: not checked
     phases: dict[str, float] = field(default_factory=dict)
     round_trips: int = 0  # HTTP calls of the sync (verification not included)
+    # changed tensors seen applied in the served parameters since the last verified sync
+    # (None: not checked; WeightSyncer.verify)
+    applied: int | None = None
 
 
 class Phases(dict):

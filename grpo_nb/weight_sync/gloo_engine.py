@@ -1,27 +1,32 @@
-"""The gloo transport (vLLM's own engines need CUDA): its loopback-only group and the trainer's
-engine, which broadcasts each tensor while one ``/collective_rpc`` receives them (worker.py)."""
+"""The trainer's side of vLLM's weight transfer: the gloo transport (vLLM's own engines need
+CUDA), its loopback-only group and the trainer's engine, which broadcasts each tensor while one
+``/collective_rpc`` receives them (worker.py), and :func:`trainer_engine` for every transport."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
-from vllm.distributed.utils import create_tcp_store
+
+from grpo_nb.weight_sync import vllm_compat  # the version gate, before any vLLM name
+
+# isort: split
 from vllm.distributed.weight_transfer import base
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import (
-    NCCLTrainerWeightTransferEngine,
+    NCCLTrainerInitInfo,
     NCCLWeightTransferUpdateInfo,
 )
 
-from grpo_nb.serving.net import LOOPBACK, is_loopback
+from grpo_nb.serving.net import LOOPBACK, free_port, is_loopback
 from grpo_nb.weight_sync import verify
 from grpo_nb.weight_sync.config import Phases
 
@@ -38,30 +43,14 @@ def open_group(rank: int, world_size: int, timeout_s: float, *, port: int | None
                listen_socket: socket.socket | None = None, host: str = LOOPBACK) -> Any:
     """Join a gloo group (blocks): rank 0 hosts the store on ``listen_socket``, others at port.
     Loopback only (the worker loads whatever arrives); torch.distributed's globals untouched."""
-    from torch._C._distributed_c10d import ProcessGroup
-    from torch.distributed import PrefixStore, ProcessGroupGloo
-
     if not is_loopback(host):
         raise ValueError(f"open_group(host={host!r}): the weight-transfer group is loopback-only")
     if listen_socket is not None:
         port = listen_socket.getsockname()[1]
     elif port is None:
         raise ValueError("open_group: pass listen_socket (rank 0) or port (other ranks)")
-    timeout = timedelta(seconds=timeout_s)
-    # vLLM's helper: the store takes the socket over (closed if the store cannot start)
-    store = create_tcp_store(host, port, listen_socket, world_size=world_size,
-                             is_master=listen_socket is not None, timeout=timeout,
-                             wait_for_workers=False)
-    prefixed = PrefixStore("grpo_nb/weight_sync", store)
-    options = ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [ProcessGroupGloo.create_device(hostname=host)]
-    group = ProcessGroup(prefixed, rank, world_size)
-    backend = ProcessGroupGloo(prefixed, rank, world_size, options)
-    backend._set_sequence_number_for_group()
-    group._set_default_backend(ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
-    return group
+    return vllm_compat.gloo_group(rank, world_size, timedelta(seconds=timeout_s), host, port,
+                                  listen_socket)
 
 
 def close_group(group: Any) -> None:
@@ -91,13 +80,13 @@ class SendSource(base.ModuleSource):
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
         super().__init__(module)
-        self.dtype = dtype
+        self.module, self.dtype = module, dtype
 
     def metadata(self) -> list[base.ParamMeta]:
         return [replace(m, dtype=self.dtype) for m in super().metadata()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return verify.sent_tensors(self._module, self.dtype)
+        return verify.sent_tensors(self.module, self.dtype)
 
 
 @dataclass
@@ -145,8 +134,7 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         info = GlooUpdateInfo(names=[m.name for m in meta],
                               dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                               shapes=[list(m.shape) for m in meta])
-        # vLLM's check that each tensor is the one metadata() announced (name, dtype, shape)
-        tensors = NCCLTrainerWeightTransferEngine._checked_iter(self.source, meta)
+        tensors = checked(self.source, meta)
         timed, works = Phases(), []
         keep: list[torch.Tensor] = []  # the posted sends read these asynchronously
         try:
@@ -200,6 +188,35 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
             close_group(group)
 
 
+def checked(pairs: Iterable[tuple[str, torch.Tensor]], meta: list[base.ParamMeta]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pairs``, each the tensor ``meta`` announced (name, dtype, shape), as many as announced:
+    the worker sized its receive slots from ``meta``, so any other tensor is an error here."""
+    sent = 0
+    for name, tensor in pairs:
+        got = (name, tensor.dtype, tuple(tensor.shape))
+        want = ((meta[sent].name, meta[sent].dtype, tuple(meta[sent].shape))
+                if sent < len(meta) else "no more tensors")
+        if got != want:
+            raise ValueError(f"tensor {sent} is {got}, but metadata() announced {want}")
+        sent += 1
+        yield name, tensor
+    if sent != len(meta):
+        raise ValueError(f"{sent} tensors sent, but metadata() announced {len(meta)}")
+
+
+def trainer_engine(transport: str, client: base.VLLMWeightSyncClient, source: base.WeightSource,
+                   timeout_s: float) -> base.TrainerWeightTransferEngine:
+    """Join the server's ``transport`` engine as rank 0 of two, through vLLM's trainer factory."""
+    if transport == "gloo":
+        info: base.TrainerInitInfo = GlooTrainerInitInfo(timeout_s=timeout_s, rank=0)
+    elif transport == "nccl":
+        info = NCCLTrainerInitInfo(LOOPBACK, free_port(), 2, rank=0)
+    else:
+        info = IPCTrainerInitInfo(rank=0)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
 def _wait_all(works: list[Any], rpc: Future, deadline: float) -> None:
     """Wait for every send; stop early if the worker's RPC fails first (it refused)."""
     for work in works:
@@ -213,5 +230,5 @@ def _wait_all(works: list[Any], rpc: Future, deadline: float) -> None:
         work.wait()  # raises a transport error (peer gone)
 
 
-if BACKEND not in WeightTransferTrainerFactory._registry:  # on import: under the import lock
-    WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)
+# Once per process: a module's body runs once (a second registration raises ValueError).
+WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)

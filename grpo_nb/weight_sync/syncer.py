@@ -16,17 +16,17 @@ import torch
 from safetensors.torch import save_file
 
 from grpo_nb import grpo
-from grpo_nb.serving.net import free_port
 from grpo_nb.weight_sync import verify as check
-from grpo_nb.weight_sync.client import VLLMControlClient, WeightSyncError
+from grpo_nb.weight_sync.client import EngineClient, VLLMControlClient, WeightSyncError
 from grpo_nb.weight_sync.config import EXTENSION, Phases, SyncResult, WeightSyncConfig, model_bytes
 
-GRACE_S = 5.0  # past timeout_s before a transfer is abandoned
+GRACE_S = 5.0  # past the transfer's limit (transfer_limit) before it is abandoned
 
 
 class WeightSyncer:
     """Weight sync for one trainer model and one server. :attr:`version`: the last version
-    the server confirmed; :attr:`dirty`: why the server holds half-loaded weights, if it does."""
+    the server confirmed; :attr:`dirty`: why the server holds half-loaded weights, if it does;
+    :attr:`wedged`: why no sync can reach the server any more (it must be restarted)."""
 
     def __init__(self, url: str, model: torch.nn.Module, cfg: WeightSyncConfig | None = None,
                  *, api_key: str | None = None, salted: bool = False) -> None:
@@ -37,10 +37,17 @@ class WeightSyncer:
         self.engine: Any = None
         self.version: int | None = None
         self.dirty: str | None = None
+        self.wedged: str | None = None
+        self._fence: EngineClient | None = None  # the engine's client, refused once abandoned
         self._tmp: Path | None = None
         self._held = False  # the server is paused by a failed "none" sync
         self._dtype: torch.dtype | None = None
         self._armed = False  # the worker records digests and nobody has read them yet
+        # after the last verified sync: the trainer's digests and the served checksums
+        self._served: tuple[dict[str, str], dict[str, str]] | None = None
+        self._packed: dict[str, list[str]] | None = None  # the served model's fused modules
+        self._casts: bool | None = None  # the server casts what it loads (send_dtype differs)
+        self.applied: int | None = None  # what the last verify() saw applied (SyncResult)
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -59,16 +66,16 @@ class WeightSyncer:
             self._dtype = dtype
         return self._dtype
 
+    def transfer_limit(self) -> float:
+        """Seconds one transfer may take: ``cfg.transfer_timeout`` of the bytes a sync sends."""
+        return self.cfg.transfer_timeout(model_bytes(self.model, self.send_dtype()))
+
     def connect(self) -> None:
         """Join the server's transfer engine (not for ``reload``), under the model's device:
         vLLM's CUDA engines use the calling thread's current device."""
         if self.engine is not None or self.cfg.transport == "reload":
             return
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        from grpo_nb.weight_sync.gloo_engine import GlooTrainerInitInfo, SendSource
+        from grpo_nb.weight_sync.gloo_engine import SendSource, trainer_engine  # vLLM's gate
 
         device = self._device()
         if (device.type == "cuda") != (self.cfg.transport in ("nccl", "ipc")):
@@ -76,17 +83,13 @@ class WeightSyncer:
                 f"WeightSyncConfig.transport={self.cfg.transport!r} cannot send a model on "
                 f"{device}: 'nccl' and 'ipc' need it on CUDA, 'gloo' on the CPU "
                 "(grpo_nb.llm.placement.sync_of picks the transport for a device)")
-        if self.cfg.transport == "gloo":
-            info: Any = GlooTrainerInitInfo(timeout_s=self.cfg.timeout_s, rank=0)
-        elif self.cfg.transport == "nccl":
-            info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0)
-        else:
-            info = IPCTrainerInitInfo(rank=0)
         source = SendSource(self.model, self.send_dtype())  # asks the server: its own error
+        limit = self.transfer_limit()
+        self.client.update_timeout = limit
+        self._fence = EngineClient(self.client)
         try:
             with device_scope(device):
-                self.engine = WeightTransferTrainerFactory.trainer_init(
-                    info, client=self.client, source=source)
+                self.engine = trainer_engine(self.cfg.transport, self._fence, source, limit)
         except Exception as err:
             raise WeightSyncError(f"could not join the server's {self.cfg.transport} weight "
                                   f"transfer: {type(err).__name__}: {err}") from err
@@ -108,6 +111,8 @@ class WeightSyncer:
 
     def sync(self, version: int, *, verify: bool | None = None) -> SyncResult:
         """Send the model's weights as ``version``; ``verify`` overrides ``cfg.verify``."""
+        if False:
+            raise WeightSyncError(f"weight sync to version {version} refused: {self.wedged}")
         record = self.cfg.verify if verify is None else verify
         phases, trips = Phases(), self.client.round_trips
         start = time.perf_counter()
@@ -117,7 +122,8 @@ class WeightSyncer:
         try:
             if self.dirty is not None:  # close the update the failed sync left open
                 with phases("reset"):
-                    self.client.collective_rpc("grpo_abort_update", timeout=self.cfg.timeout_s)
+                    self.client.collective_rpc("grpo_abort_update",
+                                               timeout=self.transfer_limit())
             self.connect()
             if self.cfg.pause_mode != "none":
                 paused = True  # resume after any attempted /pause
@@ -130,6 +136,9 @@ class WeightSyncer:
             failure = err
             if touched:
                 self.dirty = f"sync to version {version}: {type(err).__name__}: {err}"
+                fence, self._fence = self._fence, None
+                if fence is not None and fence.revoke() and self.cfg.transport == "nccl":
+                    self.wedged = self._wedged_reason()
                 engine, self.engine = self.engine, None  # a fresh group next time
                 # A gloo group aborts at once; a CUDA communicator mid-send may never return.
                 threading.Thread(target=_shutdown, args=(engine, self._device()),
@@ -156,6 +165,7 @@ class WeightSyncer:
                             None, dict(phases), self.client.round_trips - trips)
         if record:
             result.verified = self.verify(version)
+            result.applied = self.applied
         self.version = version
         return result
 
@@ -169,11 +179,25 @@ class WeightSyncer:
             also = f", and /resume failed too: {resume_error}" if resume_error else ""
             return WeightSyncError(f"{failed}: {cause}{also}")
         where = "mid-transfer" if touched else "before its transfer"
+        if self.wedged is not None:
+            return WeightSyncError(f"{failed} {where} ({cause}); {self.wedged}")
         # not held: "none", and its /pause?mode=abort failed too (server gone?)
         state = ("stays PAUSED with half-loaded weights" if self._held
                  else "could not be paused: it may serve half-loaded weights")
         return WeightSyncError(f"{failed} {where} ({cause}); the server {state} ({self.dirty}) "
                                "until the next sync re-sends every tensor and succeeds")
+
+    def _wedged_reason(self) -> str:
+        """An NCCL update the server never answered: vLLM's worker receives in
+        ``packed_nccl_broadcast_consumer`` with no timeout, waiting for tensors this trainer,
+        its communicator aborted, will not send; RPCs run on that worker's thread."""
+        gb = model_bytes(self.model, self._dtype) / 1e9
+        return ("the server cannot be recovered: its worker may still wait inside vLLM's NCCL "
+                "receive for tensors this trainer no longer sends, and every request to it, an "
+                "abort included, queues behind that receive. Restart the vLLM server, then sync "
+                "through a new WeightSyncer (if the transfer was only slow, raise "
+                f"WeightSyncConfig.timeout_s: this one had {self.transfer_limit():.0f} s for "
+                f"{gb:.2f} GB)")
 
     def _transfer(self, version: str, phases: Phases, record: bool) -> None:
         """Send every tensor (as the transport does it), then name the version now served."""
@@ -197,8 +221,9 @@ class WeightSyncer:
             self.client.set_weight_version(version)
 
     def _bounded(self, send: Callable[[], None]) -> None:
-        """One transfer on a daemon thread, abandoned after ``timeout_s`` + ``GRACE_S``."""
-        limit = self.cfg.timeout_s + GRACE_S
+        """One transfer on a daemon thread, abandoned after its limit + ``GRACE_S``."""
+        allowed = self.transfer_limit()
+        limit = allowed + GRACE_S
         device, failed = self._device(), []
 
         def run() -> None:
@@ -214,8 +239,8 @@ class WeightSyncer:
         if thread.is_alive():
             raise WeightSyncError(
                 f"{self.cfg.transport} transfer did not finish within {limit:.0f} s "
-                f"(WeightSyncConfig.timeout_s={self.cfg.timeout_s} + {GRACE_S:.0f} s): "
-                "abandoned, its group closed")
+                f"({allowed:.0f} s for the model's bytes, WeightSyncConfig.transfer_timeout at "
+                f"timeout_s={self.cfg.timeout_s}, + {GRACE_S:.0f} s): abandoned, its group closed")
         if failed:
             raise failed[0]
 
@@ -228,11 +253,14 @@ class WeightSyncer:
             save_file(state, str(self._tmp / "model.safetensors"))
         with phases("load"):
             self.client.collective_rpc("grpo_reload_weights", {"weights_path": str(self._tmp)},
-                                       timeout=self.cfg.timeout_s)
+                                       timeout=self.transfer_limit())
 
     def verify(self, version: int | None = None) -> bool:
         """Raise unless the last ``verify=True`` sync delivered every parameter once, bit for
-        bit, and the server serves weight ``version``."""
+        bit, the served parameters changed wherever the trainer's did since the previous
+        verification (:meth:`_check_applied`), and the server serves weight ``version``."""
+        if self.wedged is not None:
+            raise WeightSyncError(f"verification refused: {self.wedged}")
         records = self.client.collective_rpc("grpo_update_record", timeout=self.cfg.timeout_s)
         self._armed = False
         expected = check.expected_digests(self.model, self.send_dtype())
@@ -242,6 +270,7 @@ class WeightSyncer:
                 where = f" (worker {rank})" if len(records) > 1 else ""
                 raise WeightSyncError(f"served weights differ from the trainer's{where}: "
                                       f"{problem}")
+        self._check_applied(expected)
         if version is not None:
             served_version = self.client.weight_version()
             if served_version != str(version):
@@ -249,9 +278,36 @@ class WeightSyncer:
                                       f"expected {str(version)!r}")
         return True
 
+    def _check_applied(self, sent: dict[str, str]) -> None:
+        """The received digests prove what ``load_weights`` was handed; this, that it landed:
+        vLLM's ``/weight_checker`` checksums of the served parameters, against those after the
+        previous verification, must differ wherever the sent digests do (the first verification
+        only records them). :attr:`applied`: how many changed tensors that checked. Not
+        checked when ``cfg.send_dtype`` is not the server's: its cast may round a change away."""
+        self.applied = None
+        if self._casts is None:
+            self._casts = self.cfg.send_dtype is not None and self.cfg.send_dtype not in (
+                self.client.collective_rpc("grpo_model_dtype", timeout=self.cfg.timeout_s))
+        if self._casts:
+            return
+        live = self.client.weight_checksums(timeout=self.transfer_limit())
+        if self._packed is None:
+            answers = self.client.collective_rpc("grpo_packed_modules", timeout=self.cfg.timeout_s)
+            self._packed = answers[0] if answers else {}
+        if self._served is not None:
+            then_sent, then_live = self._served
+            targets = check.served_targets(sent, live, self._packed)
+            problem, self.applied = check.unapplied(then_sent, sent, then_live, live, targets)
+            if problem is not None:  # the baseline stays: a re-sync is compared with it again
+                raise WeightSyncError(f"served parameters did not change where the trainer's "
+                                      f"did since the last verified sync: {problem}")
+        self._served = (sent, live)
+
     def weight_gap(self) -> float:
         """Largest |log-prob difference| between server and trainer on fixed random tokens,
         read against ``cfg.atol`` (never exactly 0 in bf16: :meth:`verify` is the proof)."""
+        if self.wedged is not None:
+            raise WeightSyncError(f"probe refused: {self.wedged}")
         gen = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, int(self.model.config.vocab_size),
                             (self.cfg.probe_batch, self.cfg.probe_len), generator=gen)

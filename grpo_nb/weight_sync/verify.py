@@ -1,11 +1,13 @@
 """Exact proof that a sync landed: digests (dtype, shape, bytes) of what the server model's
-``load_weights`` received, against the trainer's tensors (served parameters are repacked)."""
+``load_weights`` received, against the trainer's tensors (served parameters are repacked);
+and that it was applied: the served parameters' own checksums (vLLM's ``/weight_checker``)
+moved wherever the trainer's tensors did."""
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -54,3 +56,51 @@ def compare(expected: dict[str, str], received: list[list[str]] | None) -> str |
     if not problems:
         return None
     return f"{len(received)} tensors received, {len(expected)} sent; " + "; ".join(problems)
+
+
+# sha256 of no bytes: a served parameter emptied after loading, its kernel holding a packed copy
+# (vLLM's CPU linear layers: dispatch_cpu_unquantized_gemm(remove_weight=True)): not checkable.
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def served_targets(sent: Iterable[str], live: Mapping[str, str],
+                   packed: Mapping[str, list[str]]) -> dict[str, list[str]]:
+    """For each sent tensor, the ``/weight_checker`` keys (``dp0:pp0:pcp0:tp0:<name>``, one per
+    worker) of the served parameters it is loaded into: its own name, else its fused module's
+    (``packed``: ``qkv_proj`` ← ``q_proj``, …); ``[]`` when the served model has neither."""
+    keys: dict[str, list[str]] = {}
+    for key in live:
+        keys.setdefault(key.rpartition(":")[2], []).append(key)
+    fused = {part: whole for whole, parts in packed.items() for part in parts}
+    out = {}
+    for name in sent:
+        module, _, leaf = name.rpartition(".")
+        parent, _, sub = module.rpartition(".")
+        names = [name] + ([f"{parent}.{fused[sub]}.{leaf}".lstrip(".")] if sub in fused else [])
+        out[name] = next((keys[n] for n in names if n in keys), [])
+    return out
+
+
+def unapplied(sent_then: Mapping[str, str], sent_now: Mapping[str, str],
+              live_then: Mapping[str, str], live_now: Mapping[str, str],
+              targets: Mapping[str, list[str]]) -> tuple[str | None, int]:
+    """Between two verified syncs (``then``, ``now``: the trainer's digests and the served
+    checksums after each): every sent tensor whose bytes changed must have changed some served
+    parameter it is loaded into. Returns (why not, or None; how many changed tensors were
+    checked: those loaded into a served parameter that holds its bytes)."""
+    stuck, checked = [], 0
+    for name, digest_now in sent_now.items():
+        if sent_then.get(name, digest_now) == digest_now:
+            continue  # unchanged (or new): nothing to see
+        keys = [k for k in targets.get(name, [])
+                if k in live_then and live_now.get(k, EMPTY_SHA256) != EMPTY_SHA256]
+        if not keys:
+            continue
+        checked += 1
+        if all(live_then[k] == live_now[k] for k in keys):
+            stuck.append(name)
+    if not stuck:
+        return None, checked
+    return (f"{len(stuck)} of {checked} changed tensors left the served parameters unchanged "
+            f"(received, not applied): {', '.join(stuck[:3])}{' …' if len(stuck) > 3 else ''}",
+            checked)

@@ -7,7 +7,10 @@ import contextlib
 from typing import Any
 
 import torch
-from vllm.config import set_current_vllm_config
+
+from grpo_nb.weight_sync import vllm_compat  # the version gate, before any vLLM name
+
+# isort: split
 from vllm.distributed.weight_transfer.base import layerwise_groups
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
@@ -17,24 +20,6 @@ from grpo_nb.weight_sync.config import Phases
 from grpo_nb.weight_sync.verify import digest
 
 ALIGN = 16  # bytes: every receive slot starts aligned, so it is viewed as its dtype, no copy
-
-
-def refresh_tied_heads(model: torch.nn.Module) -> None:
-    """Rebuild the kernel state of every ``lm_head`` tied to the embedding: the
-    layerwise reload never processes it, so its CPU kernel would keep the old packed weights."""
-    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
-
-    inputs = {id(m.weight) for m in model.modules()
-              if isinstance(m, vpe.VocabParallelEmbedding)
-              and not isinstance(m, vpe.ParallelLMHead)}
-    heads = [m for m in model.modules()
-             if isinstance(m, vpe.ParallelLMHead) and id(m.weight) in inputs]
-    for head in heads:
-        if not isinstance(head.quant_method, vpe.UnquantizedEmbeddingMethod):
-            # Re-processing would quantize twice; stale logits served silently would be worse.
-            raise RuntimeError(f"a tied lm_head with {type(head.quant_method).__name__} cannot "
-                               "be rebuilt after a weight update")
-        head.quant_method.process_weights_after_loading(head)
 
 
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
@@ -55,7 +40,7 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
 
     def finish_weight_update(self) -> None:
         super().finish_weight_update()
-        refresh_tied_heads(self.model)
+        vllm_compat.refresh_tied_heads(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which fails on a CPU-only
@@ -105,8 +90,8 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
             gloo.close_group(group)
 
 
-if gloo.BACKEND not in WeightTransferEngineFactory._registry:
-    WeightTransferEngineFactory.register_engine(gloo.BACKEND, GlooWeightTransferEngine)
+# Once per process: a module's body runs once (a second registration raises ValueError).
+WeightTransferEngineFactory.register_engine(gloo.BACKEND, GlooWeightTransferEngine)
 
 
 class _Recorder:
@@ -141,9 +126,9 @@ class _Recorder:
 
 def _recorder(worker: Any) -> _Recorder:
     """The worker's recorder, installed on first use (a method would become an RPC)."""
-    recorder = getattr(worker, "_grpo_weight_recorder", None)
+    recorder = getattr(worker, "grpo_weight_recorder", None)
     if recorder is None:
-        recorder = worker._grpo_weight_recorder = _Recorder(worker.model_runner.get_model())
+        recorder = worker.grpo_weight_recorder = _Recorder(worker.model_runner.get_model())
     return recorder
 
 
@@ -160,12 +145,19 @@ class GrpoWorkerExtension:
         """vLLM's ``reload_weights`` from a safetensors folder, then the tied heads rebuilt."""
         worker: Any = self
         worker.reload_weights(weights_path=weights_path)
-        refresh_tied_heads(worker.model_runner.get_model())
+        vllm_compat.refresh_tied_heads(worker.model_runner.get_model())
 
     def grpo_model_dtype(self) -> str:
         """The dtype the server holds its weights in (``"bfloat16"``, …)."""
         worker: Any = self
         return str(worker.model_config.dtype).removeprefix("torch.")
+
+    def grpo_packed_modules(self) -> dict[str, list[str]]:
+        """The served model's ``packed_modules_mapping``: each fused module and the checkpoint
+        modules loaded into it (``qkv_proj``: ``q_proj``, ``k_proj``, ``v_proj``)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None)
+                                        or {}).items()}
 
     def grpo_begin_update(self, record: bool) -> None:
         """The next update's tensors are digested (``record``) or not; the record restarts."""
@@ -177,16 +169,8 @@ class GrpoWorkerExtension:
 
     def grpo_abort_update(self) -> None:
         """After a failed sync: close the update, finish half-loaded layers, leave the group."""
-        from vllm.model_executor.model_loader.reload import layerwise
-
         worker: Any = self
-        if getattr(worker, "_weight_update_active", False):
-            worker.finish_weight_update()
-        model = worker.model_runner.get_model()
-        info = layerwise.LAYERWISE_INFO
-        if any(info[m].can_load() for m in model.modules() if m in info):
-            with set_current_vllm_config(worker.vllm_config):
-                layerwise.finalize_layerwise_reload(model, worker.model_config)
+        vllm_compat.finish_open_update(worker)
         if worker.weight_transfer_engine is not None:
             worker.weight_transfer_engine.shutdown()
 
@@ -204,7 +188,7 @@ class GrpoWorkerExtension:
             with timed("update_ms"):
                 worker.update_weights(update_info)
         except BaseException:
-            with contextlib.suppress(Exception), set_current_vllm_config(worker.vllm_config):
+            with contextlib.suppress(Exception), vllm_compat.in_vllm_config(worker):
                 engine.finish_weight_update()
             raise
         with timed("finish_ms"):

