@@ -173,10 +173,11 @@ class MemorySampler:
     GPU memory as ``nvidia-smi`` sees it (vLLM holds its share from start-up, so a sample is
     near its peak). A process ``nvidia-smi`` does not list (another PID namespace) reads 0."""
 
-    def __init__(self, server_pid: int | None, trainer_pids: Iterable[int] = (),
+    def __init__(self, server_pid: int | None, trainer_pids: Iterable[int] | None = None,
                  every_s: float = 1.0) -> None:
-        self.server_pid, self.trainer_pids = server_pid, set(trainer_pids) or {os.getpid()}
-        self.every_s = every_s
+        """``trainer_pids``: None for this process; more join as they are known."""
+        self.server_pid, self.every_s = server_pid, every_s
+        self.trainer_pids = {os.getpid()} if trainer_pids is None else set(trainer_pids)
         self.server: set[int] = set()
         self.rss: dict[int, float] = {}
         self.gpu = {"server": 0.0, "trainer": 0.0}
@@ -185,15 +186,17 @@ class MemorySampler:
         self._thread = threading.Thread(target=self._run, daemon=True, name="memory-sampler")
 
     def sample(self) -> None:
+        """One reading (``trainer_pids`` may grow from another thread: read as a copy)."""
         if self.server_pid is not None:
             self.server |= set(process_tree(self.server_pid))
-        for pid in self.server | self.trainer_pids:
+        trainer = set(self.trainer_pids)
+        for pid in self.server | trainer:
             self.rss[pid] = max(self.rss.get(pid, 0.0), peak_rss_gib(pid))
         used = gpu_memory_by_pid()
         if isinstance(used, str):
             self.gpu_problem = used
             return
-        for side, pids in (("server", self.server), ("trainer", self.trainer_pids)):
+        for side, pids in (("server", self.server), ("trainer", trainer)):
             self.gpu[side] = max(self.gpu[side], sum(used.get(p, 0.0) for p in pids))
 
     def _run(self) -> None:

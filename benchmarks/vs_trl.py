@@ -71,14 +71,25 @@ def trl_command(model: str, out: Path, args: argparse.Namespace, vllm_mode: str 
 
 def run_logged(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float
                ) -> tuple[int | str, float]:
-    """Run ``cmd`` with its output in ``log``: (exit code or ``"timeout"``, seconds)."""
+    """Run ``cmd`` with its output in ``log``: (exit code or ``"timeout"``, seconds). Past the
+    timeout its process group (it and a vLLM server it started) gets SIGTERM, then SIGKILL."""
+    import signal
+
     start = time.perf_counter()
     with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
         try:
-            code: int | str = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                             timeout=timeout_s, check=False).returncode
+            code: int | str = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             code = "timeout"
+            for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(wait_s)
+                    break
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    continue
     return code, round(time.perf_counter() - start, 1)
 
 
@@ -107,7 +118,8 @@ def ring_result(run_dir: Path, process_s: float) -> dict[str, Any]:
         raise RuntimeError(f"{run_dir}: no training step recorded")
     t0 = steps[0]["t"] - steps[0]["wall_s"]  # the ring's training clock, in recorder time
     loop_s = steps[-1]["wall_s"]
-    first = {k: next((r["t"] for r in rows if r["kind"] == k), None) for k in ("data", "sync")}
+    first = {k: next((r["t"] for r in rows if r["kind"] == k), 0.0)
+             for k in ("data", "partition", "sync")}  # "partition": the server is up
     busy: dict[str, float] = {}  # seconds per actor kind and label, inside the clock
     groups: list[float] = []  # each group's request → response seconds
     for r in rows:
@@ -126,14 +138,14 @@ def ring_result(run_dir: Path, process_s: float) -> dict[str, Any]:
         "steps": n, "loop_s": round(loop_s, 2),
         "completion_tokens": sum(r.get("tokens", 0) for r in steps),
         "steps_per_s": round(n / loop_s, 3), "completions_per_s": None,
-        "checkpoints": [{"t": r["wall_s"], "step": r["step"], "path": r["path"]}
+        "checkpoints": [{"t": round(r["wall_s"], 3), "step": r["step"], "path": r["path"]}
                         for r in rows if r["kind"] == "timed_checkpoint"],
         "startup_s": {"process_outside_clock": round(process_s - loop_s, 1),
                       "to_training_clock": round(t0, 2),
-                      "data": round(first["data"] or 0.0, 2),
-                      "server_start_and_first_sync": round((first["sync"] or 0.0)
-                                                           - (first["data"] or 0.0), 2),
-                      "first_eval": round(own_evals[0]["t"] - (first["sync"] or 0.0), 2)
+                      "data": round(first["data"], 2),
+                      "server_start": round(first["partition"] - first["data"], 2),
+                      "ring_spawn_and_first_sync": round(first["sync"] - first["partition"], 2),
+                      "first_eval": round(own_evals[0]["t"] - first["sync"], 2)
                       if own_evals else None},
         "clock": "the trainer's wall_s: from the start of its training loop (server up, weights "
                  "synced and verified, first evaluation done) to the end of the step at which "
@@ -278,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--trl-set", action="append", default=[], metavar="FIELD=JSON",
                    help="another GRPOConfig setting for TRL (repeatable)")
+    p.add_argument("--trl-omp-wait-policy", default="PASSIVE",
+                   help="OMP_WAIT_POLICY for TRL's process ('' leaves it unset): OpenMP's "
+                        "spinning makes 2 torch threads crawl on shared cores")
     p.add_argument("--trl-vllm", choices=("skip", "try"), default="skip",
                    help="also try TRL's use_vllm modes (colocate, server) briefly")
     args = p.parse_args(argv)
@@ -298,7 +313,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log = out / f"{name}.log"
         cmd = trl_command(model, out / "trl", args) if name == "trl" else ring_command(
             name, model, args)
-        code, seconds = run_logged(cmd, log, env, timeout_s)
+        own_env = {**env, **({"OMP_WAIT_POLICY": args.trl_omp_wait_policy}
+                             if name == "trl" and args.trl_omp_wait_policy else {})}
+        code, seconds = run_logged(cmd, log, own_env, timeout_s)
         if code != 0:
             raise RuntimeError(f"{name} failed ({code}) after {seconds} s; log {log}:\n"
                                f"{tail(log, 4000)}")

@@ -36,7 +36,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "use_vllm": False, "max_steps": 10**7, "save_strategy": "no", "eval_strategy": "no",
         "logging_strategy": "no", "report_to": "none", "disable_tqdm": True,
         "log_completions": False, "dataloader_num_workers": 0, "seed": args.seed,
-        "optim": "adamw_torch", "shuffle_dataset": True,
+        "optim": "adamw_torch_fused", "shuffle_dataset": True,  # transformers' default AdamW
     }
     if args.vllm_mode != "none":
         out.update(use_vllm=True, vllm_mode=args.vllm_mode, vllm_max_model_length=64,
@@ -50,6 +50,23 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     if "generation_batch_size" in out:  # TRL takes one of the two
         out.pop("steps_per_generation")
     return out
+
+
+# What was tried for speed (`vs_trl_peer.py`, 15–30 s runs, back to back, on the 2-core machine
+# while others loaded it: load average 5–11), in steps/s and CPU seconds per step.
+TUNING = {
+    "recorded": "2026-12-01, TRL 1.16.0, torch 2.13.0+cpu",
+    "torch_threads": "2 threads with OpenMP's default spinning collapse when the cores are shared "
+                     "(0.1–0.24 steps/s, 1.7–3.2 CPU s/step); 1 thread 1.8–3.2 steps/s "
+                     "(0.17 CPU s/step); 2 threads with OMP_WAIT_POLICY=PASSIVE 2.4–4.4 steps/s "
+                     "(0.17–0.21 CPU s/step): chosen",
+    "steps_per_generation": "2 (generation batch 256, one old-log-prob forward more): 1.3–2.0 "
+                            "steps/s, 0.25 CPU s/step against 0.17–0.20 for 1: 1 kept",
+    "bf16": "1.7–1.9 steps/s, 0.22–0.27 CPU s/step: float32 kept",
+    "optim": "adamw_torch_fused ≈ adamw_torch (0.18–0.20 CPU s/step): the default kept",
+    "torch_compile": "first step 50–84 s (compiling), recompiles on new lengths: off",
+    "gradient_checkpointing": "off (TRL's default is on; nothing to save at this size)",
+}
 
 
 class Phases:
@@ -233,6 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "clock": "from TRL's on_train_begin (model loaded, trainer built) to the end of "
                        "the step at which the budget ran out; checkpoint saves included",
               "settings": {**cfg, "torch_threads": torch.get_num_threads(), "dtype": "float32",
+                           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+                           "tuning": TUNING,
                            "trl": _version("trl"), "transformers": _version("transformers"),
                            "torch": torch.__version__}}
     (out / "result.json").write_text(json.dumps(result, indent=1))

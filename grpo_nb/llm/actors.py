@@ -18,8 +18,8 @@ from grpo_nb.llm import placement
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, RingSpec
 from grpo_nb.llm.policy import PolicyTrainer, completion_logprobs, load_policy
-from grpo_nb.llm.rollouts import greedy_accuracy, sample_group, set_advantages, token_lags
-from grpo_nb.ring import Relay, RingError, Sink, Source, cancel_task
+from grpo_nb.llm.rollouts import finish_scoring, greedy_accuracy, sample_group, token_lags
+from grpo_nb.ring import DynamicSampling, Relay, RingError, Sink, Source, cancel_task
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient, policy_salt
 from grpo_nb.tasks.scoring import BoundedReward
 from grpo_nb.weight_sync import WeightSyncer
@@ -98,8 +98,9 @@ class Generator(Source):
 
 class Scorer(Relay):
     """Rewards every completion with ``cfg.reward`` off the event loop, each within
-    ``cfg.score_timeout_s`` (past it: reward 0 and a ``score_timeout`` row), then sets the
-    group's advantages; a completion cut at ``max_tokens`` scores 0."""
+    ``cfg.score_timeout_s`` (past it: reward 0 and a ``score_timeout`` row), one cut at
+    ``max_tokens`` 0; then ``cfg.overlong`` and the group's advantages
+    (:func:`~grpo_nb.llm.rollouts.finish_scoring`)."""
 
     name, label, sender = "scorer", "score", "the generators"
     timeout_field = "LLMConfig.finish_timeout_s"
@@ -125,7 +126,7 @@ class Scorer(Relay):
                             group_id=group.group_id, bound_s=self.cfg.score_timeout_s,
                             completion=r.completion_text[:300])
             r.reward = 0.0 if value is None else value
-        return set_advantages(group, self.cfg.adv_scale)
+        return finish_scoring(group, self.cfg)
 
     async def _relay(self, out: Any) -> None:
         try:
@@ -185,6 +186,8 @@ class Trainer(Sink):
         self.next_msg: asyncio.Future | None = None  # a receive still pending when stop came
         self.issued = self.received = self.syncs = 0
         self.dropped = int(resumed.get("dropped", 0))
+        self.dynamic = DynamicSampling(cfg.prompts_per_step,
+                                       total=int(resumed.get("dynamic_dropped", 0)))
 
     @endpoint
     async def start(self, generators: Any) -> None:
@@ -209,6 +212,7 @@ class Trainer(Sink):
         t0 = time.time()
         self.deadline = None if cfg.time_budget_s is None else t0 + cfg.time_budget_s
         while self.pt.step_count < cfg.steps and not self.stopping.is_set():
+            self.dynamic.new_step()
             groups = await self._collect(generators)
             if groups is None:  # stop requested, or the time budget ran out while waiting
                 break
@@ -229,7 +233,8 @@ class Trainer(Sink):
             row.update(**token_lags(groups, self.pt.step_count - 1),
                        staleness=[self.pt.step_count - 1 - g.policy_version for g in groups],
                        age_s=[now - g.t_submit for g in groups], dropped=self.dropped,
-                       train_s=now - start, wall_s=now - t0, version=self.pt.version)
+                       train_s=now - start, wall_s=now - t0, version=self.pt.version,
+                       **self.dynamic.row())
             self.report("step", **row)
             self.last_wall = (self.pt.step_count, row["wall_s"])
             if self.next_timed is not None and row["wall_s"] >= self.next_timed:
@@ -245,7 +250,9 @@ class Trainer(Sink):
 
     async def _collect(self, generators: Any) -> list[Group] | None:
         """One step's admitted groups, or ``None`` once a stop or the time budget comes; a receive
-        then pending stays in ``next_msg`` for :meth:`_finish` (cancelling it could lose a group)."""
+        then pending stays in ``next_msg`` for :meth:`_finish` (cancelling it could lose a group).
+        A stale group, and with ``dynamic_sampling`` one whose rewards are all equal (up to the
+        cap, :class:`~grpo_nb.ring.DynamicSampling`), is dropped and a replacement credited."""
         groups: list[Group] = []
         while len(groups) < self.cfg.prompts_per_step:
             left = None if self.deadline is None else self.deadline - time.time()
@@ -266,6 +273,9 @@ class Trainer(Sink):
                 return None
             self.received += 1
             if admit(self.pt.step_count, group.policy_version, self.cfg.max_staleness):
+                if self.cfg.dynamic_sampling and self.dynamic.drops(group.rewards):
+                    self._credit(generators, self.issued + 1)  # all rewards equal: replace it
+                    continue
                 groups.append(group)
                 continue
             self.dropped += 1
@@ -305,7 +315,8 @@ class Trainer(Sink):
     def _checkpoint(self) -> None:
         if self.spec.run_dir is not None:
             self.pt.save(Path(self.spec.run_dir) / "checkpoint",
-                         {"dropped": self.dropped, "received": self.received})
+                         {"dropped": self.dropped, "received": self.received,
+                          "dynamic_dropped": self.dynamic.total})
 
     async def _timed_checkpoint(self) -> None:
         """The weights after step ``n`` at ``wall_s`` training seconds, kept (never replaced) in

@@ -4,7 +4,7 @@ the model and precision (:func:`resolve_defaults`), and ``cfg.defaults`` says wh
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from grpo_nb.grpo import (
     ADV_SCALES,
@@ -21,6 +21,8 @@ from grpo_nb.grpo import (
 from grpo_nb.weight_sync import WeightSyncConfig
 
 Mode = Literal["async", "sync"]
+Overlong = Literal["zero", "filter", "soft"]
+OVERLONGS = get_args(Overlong)
 
 # Defaults by model family: the tiny character model learns at 3e-4; a pretrained Qwen-size
 # model is RL-tuned at ~1e-6 (TRL's GRPO default).
@@ -29,7 +31,8 @@ MIXED_PRECISION_TIS_CAP = 2.0  # ratio_against="trainer" under bf16 (see resolve
 _CHOICES: dict[str, tuple[str, ...]] = {
     "mode": ("async", "sync"), "loss_agg": LOSS_AGGS, "adv_scale": ADV_SCALES,
     "ratio_against": ("sampler", "trainer"),  # "auto" is resolved before the check
-    "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16")}
+    "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16"),
+    "overlong": OVERLONGS}
 _AT_LEAST: dict[str, int] = {
     "group_size": 2, "max_staleness": 0, "max_ahead": 0, "kl_coef": 0, "clip_low": 0,
     "clip_high": 0, "error_budget": 0, **dict.fromkeys(
@@ -83,6 +86,17 @@ class LLMConfig:
     delta: float | None = None
     sapo_temperature_pos: float = SAPO_TEMPERATURE_POS
     sapo_temperature_neg: float = SAPO_TEMPERATURE_NEG
+    # DAPO's dynamic sampling (ring.DynamicSampling): the trainer drops a group whose rewards
+    # are all equal and credits a replacement, at most ring.DYNAMIC_DROP_CAP × prompts_per_step
+    # a step (past that the step takes equal-reward groups too, and its row says dynamic_capped).
+    dynamic_sampling: bool = False
+    # A completion cut at max_tokens (finish_reason "length") scores 0 in every mode; "filter"
+    # also masks it out of the loss (DAPO's overlong filtering; it still counts in its group's
+    # advantages); "soft" adds DAPO's soft overlong punishment (rollouts.overlong_penalty) to
+    # every completion's reward: 0 up to max_tokens - overlong_buffer tokens, then linearly
+    # down to -1 at max_tokens.
+    overlong: Overlong = "zero"
+    overlong_buffer: int | None = None  # resolved for "soft": max_tokens // 4, at least 1
     error_budget: int = 8
     finish_timeout_s: float = 120.0
     # The Scorer's bound on one completion's reward (tasks.scoring): past it the completion
@@ -133,6 +147,19 @@ class LLMConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects NaN
                 raise ValueError(f"LLMConfig.{name}={value}: must be > 0")
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ValueError(f"LLMConfig.dynamic_sampling={self.dynamic_sampling!r}: use True "
+                             "or False")
+        if self.overlong == "soft" and not (
+                isinstance(self.overlong_buffer, int) and not isinstance(self.overlong_buffer, bool)
+                and 1 <= self.overlong_buffer < self.max_tokens):
+            raise ValueError(f"LLMConfig.overlong_buffer={self.overlong_buffer!r}: use an int, "
+                             f"1 <= overlong_buffer < max_tokens={self.max_tokens} (the soft "
+                             "punishment ramps over the last overlong_buffer tokens)")
+        if self.overlong != "soft" and self.overlong_buffer is not None:
+            raise ValueError(f"LLMConfig.overlong_buffer={self.overlong_buffer} does nothing with "
+                             f"overlong={self.overlong!r}: it is the soft punishment's ramp; set "
+                             "overlong='soft', or drop overlong_buffer")
         if self.max_inflight < self.group_size:
             raise ValueError(f"LLMConfig.max_inflight={self.max_inflight} < group_size="
                              f"{self.group_size}: a generator could never send one group")
@@ -212,6 +239,9 @@ def resolve_defaults(cfg: LLMConfig) -> dict[str, str]:
         cfg.max_tokens = 8 if is_arithmetic_name(cfg.dataset) else 256
         why["max_tokens"] = f"{cfg.max_tokens} (for {cfg.dataset!r}: 8 for arithmetic, 256 " \
                             "for math text)"
+    if cfg.overlong == "soft" and cfg.overlong_buffer is None:
+        cfg.overlong_buffer = max(1, cfg.max_tokens // 4)
+        why["overlong_buffer"] = f"{cfg.overlong_buffer} (max_tokens // 4, for overlong='soft')"
     if cfg.lr is None:
         tiny = is_tiny_model(cfg.model)
         cfg.lr = TINY_LR if tiny else PRETRAINED_LR

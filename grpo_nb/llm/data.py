@@ -35,6 +35,7 @@ class Rollout:
     latency_s: float = 0.0
     ref_logprobs: list[float] | None = None
     token_versions: list[int] = field(default_factory=list)
+    masked: bool = False  # out of the loss (the Scorer: a truncated one, overlong="filter")
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """The LLM trainer's torch work, testable without a server: loading, batching, the GRPO step,
 checkpoints. Weights are float32 masters (bf16 would round lr-1e-6 updates away);
-``serve_dtype`` only sets the autocast dtype and what goes to the server."""
+``serve_dtype`` (``placement.dtype_of(cfg)``, the dtype the server runs in) sets the autocast
+dtype and the one :class:`ChangeMeter` counts changes in. This module sends nothing: the weight
+syncer casts the masters to the dtype they travel in (``WeightSyncer.send_dtype``:
+``WeightSyncConfig.send_dtype``, else the server's)."""
 
 from __future__ import annotations
 
@@ -43,8 +46,12 @@ def _aligned(per_token: list[list[float]], prompt_lens: list[int], width: int) -
 
 
 def make_batch(groups: list[Group], pad_id: int) -> Batch:
-    """Stack groups into one right-padded batch (sequences are prompt + completion)."""
-    return _batch([r for g in groups for r in g.rollouts], pad_id)
+    """Stack groups into one right-padded batch (sequences are prompt + completion); a rollout
+    marked ``masked`` (``overlong="filter"``) keeps its row, with no position in the loss."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    batch = _batch(rollouts, pad_id)
+    batch.loss_mask[[i for i, r in enumerate(rollouts) if r.masked]] = 0.0
+    return batch
 
 
 def _batch(rollouts: list[Rollout], pad_id: int) -> Batch:
@@ -190,6 +197,7 @@ class PolicyTrainer:
             "entropy": sums.get("entropy", math.nan),
             "truncated_frac": sum(r.finish_reason == "length" for r in rollouts)
             / max(len(rollouts), 1),
+            "masked_frac": sum(r.masked for r in rollouts) / max(len(rollouts), 1),
             "zero_std_groups": grpo.zero_std_groups(rewards, cfg.group_size),
             "zero_std_frac": grpo.zero_std_fraction(rewards, cfg.group_size),
             "skipped_steps": self.skipped,

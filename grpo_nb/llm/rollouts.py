@@ -1,7 +1,7 @@
 """Sampling a group from the vLLM server, the one way the ring, notebook 04 and ``python -m
 grpo_nb rollouts`` do it (one ``/inference/v1/generate`` request with ``n = group_size``: each
-token comes with the weight version that sampled it); scoring it (rewards, then the group's
-advantages); per-token version lag; held-out evaluation."""
+token comes with the weight version that sampled it); scoring it (rewards, the overlong
+handling, then the group's advantages); per-token version lag; held-out evaluation."""
 
 from __future__ import annotations
 
@@ -67,14 +67,35 @@ async def sample_group(client: CompletionsClient, prompt: Prompt, cfg: LLMConfig
                  t_submit=start, t_done=time.time(), source=source)
 
 
-def score_group(group: Group, reward: Callable[[str, str], float],
-                adv_scale: grpo.AdvScale) -> Group:
-    """Set each rollout's reward, then its advantage within the group; a completion cut at
+def score_group(group: Group, reward: Callable[[str, str], float], cfg: LLMConfig) -> Group:
+    """Set each rollout's reward, then :func:`finish_scoring`; a completion cut at
     ``max_tokens`` (not ``"stop"``) scores 0: the answer must be followed by end-of-sequence."""
     for r in group.rollouts:
         r.reward = float(reward(r.completion_text, group.answer)) \
             if r.finish_reason == "stop" else 0.0
-    return set_advantages(group, adv_scale)
+    return finish_scoring(group, cfg)
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) of a ``length``-token completion,
+    with ``L_max = max_tokens`` and ``L_cache = buffer``: 0 while ``length <= L_max - L_cache``,
+    then ``(L_max - L_cache - length) / L_cache`` (-1 at ``L_max``), and -1 beyond ``L_max``."""
+    start = max_tokens - buffer
+    if length <= start:
+        return 0.0
+    return (start - length) / buffer if length <= max_tokens else -1.0
+
+
+def finish_scoring(group: Group, cfg: LLMConfig) -> Group:
+    """``cfg.overlong`` on a group whose rewards are set, then its advantages: ``"filter"`` marks
+    each truncated completion (``finish_reason == "length"``) ``masked``, out of the loss;
+    ``"soft"`` adds :func:`overlong_penalty` of its length to every reward; ``"zero"`` neither."""
+    for r in group.rollouts:
+        r.masked = cfg.overlong == "filter" and r.finish_reason == "length"
+        if cfg.overlong == "soft":
+            r.reward += overlong_penalty(len(r.completion_ids), cfg.max_tokens,
+                                         cfg.overlong_buffer)
+    return set_advantages(group, cfg.adv_scale)
 
 
 def set_advantages(group: Group, adv_scale: grpo.AdvScale) -> Group:
@@ -98,7 +119,7 @@ async def sample_groups(client: CompletionsClient, prompts: Sequence[Prompt], cf
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return groups if reward is None else [score_group(g, reward, cfg.adv_scale) for g in groups]
+    return groups if reward is None else [score_group(g, reward, cfg) for g in groups]
 
 
 def flatten(groups: Sequence[Group]) -> list[Rollout]:

@@ -84,7 +84,8 @@ def math_answer(completion_text: str, answer: str) -> float:
     from math_verify import parse, verify  # lazy: only LaTeX answers need it
 
     # math-verify times out with SIGALRM, which only the main thread may set: an actor scoring
-    # in a worker thread would crash on it, so there it runs without a timeout.
+    # in a worker thread would crash on it, so there it runs without a timeout (the ring's
+    # Scorer runs a named reward on a child process's main thread: tasks.scoring).
     limit = 5 if threading.current_thread() is threading.main_thread() else None
     # math-verify wants the gold answer in math delimiters to parse LaTeX.
     gold = parse(f"${answer}$", parsing_timeout=limit)

@@ -13,7 +13,7 @@ import torch
 
 from grpo_nb import grpo
 from grpo_nb.actors import endpoint, send
-from grpo_nb.ring import Relay, Sink, Source
+from grpo_nb.ring import DynamicSampling, Relay, Sink, Source
 from grpo_nb.toy.task import (
     Group,
     ToyConfig,
@@ -100,7 +100,8 @@ class Reference(Relay):
 
 
 class Trainer(Sink):
-    """Takes ``groups_per_step`` groups per step, one GRPO update, then new weights and credits out."""
+    """Takes ``groups_per_step`` groups per step (with ``dynamic_sampling``, ones whose rewards
+    differ: :meth:`_collect`), one GRPO update, then new weights and credits out."""
 
     name, sender = "trainer", "reference"
 
@@ -111,6 +112,8 @@ class Trainer(Sink):
         eval_gen = torch.Generator().manual_seed(cfg.seed + 4242)
         self.eval_obs = torch.randn(cfg.eval_states, cfg.obs_dim, generator=eval_gen)
         self.eval_best = best_arm(build_teacher(cfg), self.eval_obs)
+        self.dynamic = DynamicSampling(cfg.groups_per_step)
+        self.received = self.issued = 0  # groups received, and credited to the generators
         self.open_inlet(metrics)
 
     @endpoint
@@ -125,11 +128,10 @@ class Trainer(Sink):
         cfg = self.cfg
         # async: keep 1 + max_ahead steps' worth outstanding; sync: one step's, after the update.
         outstanding = (1 + (cfg.max_ahead if cfg.mode == "async" else 0)) * cfg.groups_per_step
-        received = 0
+        self.issued = outstanding
         send(generators.progress, (0, outstanding), {}, selection="all")
         for step in range(cfg.steps):
-            groups = [await self.inbox.recv() for _ in range(cfg.groups_per_step)]
-            received += len(groups)
+            groups = await self._collect(generators, step)
             depth = self.inbox.qsize() if hasattr(self.inbox, "qsize") else None  # not on Monarch
             start = time.time()
             row = self._step(step, groups)
@@ -137,12 +139,28 @@ class Trainer(Sink):
                 await asyncio.sleep(cfg.train_delay_s)  # see ToyConfig.train_delay_s
             send(generators.update_weights, (step + 1, copy.deepcopy(self.policy.state_dict())), {},
                  selection=cfg.selection)
-            send(generators.progress, (step + 1, received + outstanding), {}, selection="all")
+            self.issued = self.received + outstanding
+            send(generators.progress, (step + 1, self.issued), {}, selection="all")
             self.busy.add("train", start)
-            self.report("step", **row, queue_depth=depth)
+            self.report("step", **row, **self.dynamic.row(), queue_depth=depth)
             await asyncio.sleep(0)  # let update_weights / metrics go out between steps
         await self.drain_sources(generators, cfg.generators)
         self.report("exited", actor=self.name, dropped=await self.discard_queued())
+
+    async def _collect(self, generators: Any, step: int) -> list[Group]:
+        """The step's groups; with ``dynamic_sampling`` one whose rewards are all equal is
+        dropped and a replacement credited, up to the cap (:class:`~grpo_nb.ring.DynamicSampling`)."""
+        self.dynamic.new_step()
+        groups: list[Group] = []
+        while len(groups) < self.cfg.groups_per_step:
+            group = await self.inbox.recv()
+            self.received += 1
+            if self.cfg.dynamic_sampling and self.dynamic.drops(group.rewards):
+                self.issued += 1
+                send(generators.progress, (step, self.issued), {}, selection="all")
+                continue
+            groups.append(group)
+        return groups
 
     def _step(self, step: int, groups: list[Group]) -> dict[str, Any]:
         cfg = self.cfg

@@ -49,6 +49,9 @@ class ToyConfig:
     delta: float | None = None  # INTELLECT-2's cap on r for A < 0
     sapo_temperature_pos: float = SAPO_TEMPERATURE_POS  # SAPO's gate temperature for A > 0
     sapo_temperature_neg: float = SAPO_TEMPERATURE_NEG  # and for A <= 0
+    # DAPO's dynamic sampling, as LLMConfig's (ring.DynamicSampling): a group whose rewards are
+    # all equal is dropped and replaced, at most ring.DYNAMIC_DROP_CAP × groups_per_step a step.
+    dynamic_sampling: bool = False
     seed: int = 0
     # Simulated decode time per group (an MLP samples in microseconds) and its log-normal tail.
     gen_delay_s: float = 0.02
@@ -76,6 +79,9 @@ class ToyConfig:
                 raise ValueError(f"ToyConfig.{name} must be >= {low}, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"ToyConfig.lr must be a positive number, got {self.lr}")
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ValueError(f"ToyConfig.dynamic_sampling must be True or False, got "
+                             f"{self.dynamic_sampling!r}")
         if not 0 <= self.clip < 1:
             raise ValueError(f"ToyConfig.clip must be in [0, 1), got {self.clip}")
         for name, allowed in (("kl_kind", KL_KINDS), ("adv_scale", ADV_SCALES),

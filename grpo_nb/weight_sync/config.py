@@ -31,7 +31,9 @@ class WeightSyncConfig:
     pause_mode: PauseMode = "keep"
     verify: bool = True  # check that the server received exactly the trainer's weights
     send_dtype: str | None = None  # what tensors travel (and are checked) in; None: the server's
-    # bounds every HTTP call; the group and each transfer as a whole: transfer_timeout(bytes)
+    # bounds each control-plane HTTP call (pause, RPCs, the version); what a transfer's time
+    # grows with (the weight-update calls, the transfer group, a reload's load, the send as a
+    # whole) gets transfer_timeout(bytes) instead: this, or longer for a large model
     timeout_s: float = 20.0
     atol: float = 1e-3  # what the teaching probe (weight_gap) is read against; verify is exact
     probe_batch: int = 4  # the probe's number of sequences

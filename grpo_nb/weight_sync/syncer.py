@@ -1,5 +1,7 @@
 """Push the trainer's weights into a running vLLM server (``/pause``, every tensor, the version,
-``/resume``, each step bounded) and prove they arrived; a half-sent server stays paused."""
+``/resume``, each step bounded) and prove they arrived and were applied; a half-sent server
+stays paused; after an NCCL update the server never answered, every later sync is refused
+(the server must be restarted)."""
 
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ class WeightSyncer:
 
     def sync(self, version: int, *, verify: bool | None = None) -> SyncResult:
         """Send the model's weights as ``version``; ``verify`` overrides ``cfg.verify``."""
-        if False:
+        if self.wedged is not None:  # any request would queue behind the stuck receive
             raise WeightSyncError(f"weight sync to version {version} refused: {self.wedged}")
         record = self.cfg.verify if verify is None else verify
         phases, trips = Phases(), self.client.round_trips
@@ -217,6 +219,10 @@ class WeightSyncer:
         if self.cfg.pause_mode == "none" and not self.salted:
             with phases("cache"):  # the old weights' prompt KV (vLLM refuses while it is used)
                 self.client.reset_prefix_cache()
+        # The label vLLM stamps on every token it samples from now on (/inference/v1/generate's
+        # weight_versions). Paused ("keep", "abort"): exact. "none": the engine steps once or
+        # more between the load and this call, so the first tokens of the new weights keep the
+        # old label (a lag overstated by 1, never understated)
         with phases("version"):
             self.client.set_weight_version(version)
 

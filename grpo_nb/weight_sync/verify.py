@@ -86,7 +86,8 @@ def unapplied(sent_then: Mapping[str, str], sent_now: Mapping[str, str],
               targets: Mapping[str, list[str]]) -> tuple[str | None, int]:
     """Between two verified syncs (``then``, ``now``: the trainer's digests and the served
     checksums after each): every sent tensor whose bytes changed must have changed some served
-    parameter it is loaded into. Returns (why not, or None; how many changed tensors were
+    parameter it is loaded into (a fused one moves when any of its parts does: it shows that
+    one part landed, not each). Returns (why not, or None; how many changed tensors were
     checked: those loaded into a served parameter that holds its bytes)."""
     stuck, checked = [], 0
     for name, digest_now in sent_now.items():
