@@ -304,7 +304,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = str(build_or_load(TinyModelConfig(), progress=False))
     env = {**os.environ, "GRPO_NB_RUNS": str(out / "runs"), "TOKENIZERS_PARALLELISM": "false"}
     timeout_s = args.budget_s + 900  # start-up, drain, final evaluation
-    report: dict[str, Any] = {"budget_s": args.budget_s,
+    report: dict[str, Any] = {"command": " ".join(["python", "benchmarks/vs_trl.py",
+                                                   *sys.argv[1:]]),
+                              "budget_s": args.budget_s,
                               "checkpoint_every_s": args.checkpoint_every_s,
                               "cpus": len(os.sched_getaffinity(0)),
                               "loadavg_before": [round(x, 2) for x in os.getloadavg()]}

@@ -308,3 +308,16 @@ def test_notebook_05_server_engine_and_syncer_transport_agree(monkeypatch, gpus)
     for src in _code("05_async_grpo.ipynb"):
         if "model, tok = load_policy(" in src:
             assert "model, tok = load_policy(model_dir, device)" in src, src
+
+
+def test_float32_server_on_cuda_runs_ieee_attention() -> None:
+    """vLLM's fp32 attention on CUDA is Triton's unified attention, whose tl.dot takes
+    TRITON_F32_DEFAULT (else TF32): an fp32 server on a GPU gets "ieee"; bf16 and CPU do not."""
+    from grpo_nb.serving.server import ServerConfig
+
+    assert ServerConfig(model="m", dtype="float32").environment("i", gpu=True)[
+        "TRITON_F32_DEFAULT"] == "ieee"
+    assert "TRITON_F32_DEFAULT" not in ServerConfig(model="m", dtype="bfloat16").environment(
+        "i", gpu=True)
+    assert "TRITON_F32_DEFAULT" not in ServerConfig(model="m", dtype="float32").environment(
+        "i", gpu=False)

@@ -294,3 +294,20 @@ def test_checks_catch_each_broken_claim(tmp_path: Path, claim: str) -> None:
     broken, phrase = BROKEN[claim]
     problems = all_problems(good_runs(tmp_path, **broken))
     assert any(phrase in p for p in problems), problems
+
+
+def test_recorded_race_against_trl_has_what_notebook_05_reads() -> None:
+    """Section 7's peer cell reads three curves from t = 0, the headline and the time splits."""
+    race = json.loads((RECORDED / "vs_trl.json").read_text())
+    assert race["command"].startswith("python benchmarks/vs_trl.py")
+    for name in ("trl", "sync", "async"):
+        c = race["contenders"][name]
+        assert c["curve"][0][0] == 0.0 and len(c["curve"]) >= 3, name
+        assert c["steps"] > 0 and c["steps_per_s"] > 0, name
+        assert name in race["time_to_trl_final_s"]
+    assert "async_speedup_vs_trl" in race and "sync_speedup_vs_trl" in race
+    assert {"generate", "train"} <= set(race["contenders"]["trl"]["time_split"]["per_step_s"])
+    assert {"train", "sync", "trainer_wait_for_groups"} <= set(
+        race["contenders"]["async"]["time_split"]["per_step_s"])
+    sizes = json.loads((RECORDED / "generation_sizes.json").read_text())
+    assert len(sizes["sizes"]) >= 3 and sizes["command"].startswith("python benchmarks/")

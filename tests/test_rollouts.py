@@ -181,3 +181,56 @@ def test_cli_prints_json_last_attached_to_a_running_server(vllm_server, tiny_mod
     assert result["tokens_per_s"] > 0 and result["failed_requests"] == 0
     assert result["max_abs_logprob_diff"] < LOGPROB_TOLERANCE and result["temperature"] == 0.7
     assert vllm_server.healthy()  # attached: the CLI must not stop a server it did not start
+
+
+def test_logprob_tolerance_is_derived_from_the_dtype_and_holds_for_cpu_bf16() -> None:
+    """fp32 keeps 1e-4; bf16's bound is 2 · ROUNDINGS · 2^-8 · LOGIT_MAX / T. A CPU bf16
+    forward (AVX512-BF16 / AMX kernels) of an 8-layer Qwen3 with logits ≈ 10 against its fp32
+    forward: the logit error stays within ROUNDINGS roundings of max |z|, and the completion
+    log-probs within the bound at T = 1 and T = 0.7."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from grpo_nb.llm import rollouts as ro
+
+    assert ro.logprob_tolerance("float32") == ro.LOGPROB_TOLERANCE == 1e-4
+    assert ro.logprob_tolerance("float32", 0.7) == 1e-4
+    assert ro.logprob_tolerance("bfloat16") == pytest.approx(1.0)
+    assert ro.logprob_tolerance("bfloat16", 0.5) == pytest.approx(2.0)
+    assert ro.logprob_tolerance("bfloat16", 0.0) == pytest.approx(1.0)  # greedy: T = 1
+    with pytest.raises(ValueError, match="dtype='float16'"):
+        ro.logprob_tolerance("float16")
+
+    torch.manual_seed(0)
+    hidden = 128
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=128)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 2.0 / hidden ** 0.5)  # logits ≈ 10, not ≈ 1
+        ids = torch.randint(0, 512, (6, 40))
+        z32 = model(ids).logits.float()
+        bf16 = Qwen3ForCausalLM(model.config).eval()
+        bf16.load_state_dict(model.state_dict())
+        bf16 = bf16.to(torch.bfloat16)
+        z16 = bf16(ids).logits.float()
+    assert z32.abs().max() > 5
+    dz = (z32 - z16).abs().max()
+    assert dz > ro.BF16_UNIT_ROUNDOFF * z32.abs().max()  # more than the logit's own rounding
+    assert dz <= ro.ROUNDINGS * ro.BF16_UNIT_ROUNDOFF * z32.abs().max(), dz
+    prompt = ids[0, :8].tolist()
+    for temperature in (1.0, 0.7):
+        group_rollouts = []
+        for row in ids:
+            seq = torch.tensor([prompt + row[8:].tolist()])
+            with torch.no_grad():  # the "server": bf16, its processed log-probs at T
+                lp = torch.log_softmax(bf16(seq).logits[0, :-1].float() / temperature, -1)
+            at = torch.arange(len(prompt) - 1, seq.shape[1] - 1)
+            group_rollouts.append(Rollout(prompt, row[8:].tolist(),
+                                          lp[at, seq[0, at + 1]].tolist(), "", "stop"))
+        groups = [Group(0, "p", "a", prompt, group_rollouts, 0, 0.0, 1.0)]
+        got = logprob_agreement(model, groups, temperature=temperature, dtype="bfloat16")
+        bound = 2 * dz / temperature  # the softmax step of the derivation, on these logits
+        assert got["tolerance"] == ro.logprob_tolerance("bfloat16", temperature)
+        assert 10 * LOGPROB_TOLERANCE < got["max_abs_diff"] <= bound <= got["tolerance"], got

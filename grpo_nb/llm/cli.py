@@ -230,6 +230,7 @@ def rollouts(argv: list[str]) -> int:
     """``rollouts``: a group per test prompt, three of them printed, then one JSON line; exit 1
     when vLLM's log-probs disagree with transformers' or a request failed."""
     from grpo_nb import tasks
+    from grpo_nb.llm import placement
     from grpo_nb.llm.data import load_data
     from grpo_nb.llm.policy import load_policy
     from grpo_nb.llm.rollouts import logprob_agreement, sample_groups, summarize
@@ -264,7 +265,8 @@ def rollouts(argv: list[str]) -> int:
     for g in groups[:3]:
         print(f"{g.prompt!r} → {[r.completion_text for r in g.rollouts]} "
               f"rewards {g.rewards} advantages {[round(r.advantage, 2) for r in g.rollouts]}")
-    agreement = logprob_agreement(hf, groups, temperature=cfg.temperature)
+    agreement = logprob_agreement(hf, groups, temperature=cfg.temperature,
+                                  dtype=placement.dtype_of(cfg))  # the server's dtype
     result = {**summarize(groups, seconds), "max_abs_logprob_diff": agreement["max_abs_diff"],
               "logprob_tolerance": agreement["tolerance"], "temperature": cfg.temperature,
               "failed_requests": stats.failed,

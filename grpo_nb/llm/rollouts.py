@@ -18,8 +18,28 @@ from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Prompt, Rollout
 from grpo_nb.serving.client import CompletionsClient, policy_salt
 
-# fp32 on both sides: vLLM's and transformers' kernels agree far inside this.
+# fp32 on both sides: vLLM's and transformers' kernels agree far inside this (measured ≈ 1e-5;
+# on CUDA the server's attention is IEEE fp32 too: ServerConfig.environment).
 LOGPROB_TOLERANCE = 1e-4
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significant bits: a rounding is off by <= 2^-8 relative
+LOGIT_MAX = 32.0  # |logit| bound the bf16 tolerance assumes (a trained LM's top logits: ≈ 20-30)
+ROUNDINGS = 4  # bf16 logit error, in roundings of |logit|: measured <= 3 (tests/test_rollouts.py)
+
+
+def logprob_tolerance(dtype: str, temperature: float = 1.0) -> float:
+    """The largest ``|server − fp32 model|`` log-prob gap a run served in ``dtype`` may show.
+
+    fp32: :data:`LOGPROB_TOLERANCE`. bf16: ``log p_i = z_i/T − logsumexp(z/T)`` moves by
+    ``(δz_i − Σ_j p_j δz_j) / T``, so ``|δ log p| <= 2 max|δz| / T``; a bf16 logit carries
+    ``|δz| <= ROUNDINGS · 2^-8 · |z|`` (its own rounding plus those of the hidden state it is
+    made from), so with ``|z| <= LOGIT_MAX`` the gap is at most ``2 · 4 · 2^-8 · 32 / T = 1/T``."""
+    if dtype == "float32":
+        return LOGPROB_TOLERANCE
+    if dtype != "bfloat16":
+        raise ValueError(f"dtype={dtype!r}: a log-prob tolerance is known for 'float32' and "
+                         "'bfloat16'")
+    t = temperature if temperature >= VLLM_GREEDY_BELOW else 1.0
+    return 2 * ROUNDINGS * BF16_UNIT_ROUNDOFF * LOGIT_MAX / t
 VLLM_GREEDY_BELOW = 1e-5  # vllm/v1/sample/sampler.py's _SAMPLING_EPS
 
 
@@ -140,12 +160,13 @@ def token_lags(groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
             / max(len(rollouts), 1)}
 
 
-def logprob_agreement(model: Any, groups: Sequence[Group], *,
-                      temperature: float) -> dict[str, float]:
+def logprob_agreement(model: Any, groups: Sequence[Group], *, temperature: float,
+                      dtype: str = "float32") -> dict[str, float]:
     """vLLM's sampler log-probs against ``model``'s, token by token, for groups sampled at
     ``temperature``: the server returns processed log-probs (``log_softmax(logits / T)``, see
     :mod:`grpo_nb.serving.server`), so ``model``'s are taken at the same ``T``; below
-    ``VLLM_GREEDY_BELOW`` vLLM samples greedily and returns them at temperature 1."""
+    ``VLLM_GREEDY_BELOW`` vLLM samples greedily and returns them at temperature 1. The
+    tolerance is :func:`logprob_tolerance` of the server's ``dtype``."""
     from grpo_nb.llm.policy import completion_logprobs
 
     rollouts = flatten(groups)
@@ -155,7 +176,7 @@ def logprob_agreement(model: Any, groups: Sequence[Group], *,
     diffs = torch.cat([(mine - torch.tensor(r.sampler_logprobs)).abs() for mine, r in
                        zip(completion_logprobs(model, rollouts, t), rollouts, strict=True)])
     return {"max_abs_diff": float(diffs.max()), "mean_abs_diff": float(diffs.mean()),
-            "tokens": int(diffs.numel()), "tolerance": LOGPROB_TOLERANCE}
+            "tokens": int(diffs.numel()), "tolerance": logprob_tolerance(dtype, t)}
 
 
 def summarize(groups: Sequence[Group], seconds: float) -> dict[str, Any]:

@@ -145,6 +145,12 @@ class ServerConfig:
             if cpus:  # vLLM-CPU's OpenMP threads on exactly these cores (else it picks its own)
                 env.update({"VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus),
                             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+        elif (self.dtype or "auto") == "float32":  # fp32 on CUDA: attention in IEEE fp32
+            # FlashAttention takes no fp32, so vLLM runs Triton's unified attention, whose
+            # tl.dot calls name no input_precision: Triton then uses TRITON_F32_DEFAULT, and
+            # without it TF32 (triton/language/core.py). VLLM_FLOAT32_MATMUL_PRECISION
+            # ("highest" by default) covers the cuBLAS matmuls only.
+            env["TRITON_F32_DEFAULT"] = "ieee"
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         env.update(self.env)
