@@ -128,7 +128,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     base = apply_sets(LLMConfig(steps=args.steps, time_budget_s=None,
                                 eval_every=max(args.steps, 1), eval_size=200,
                                 checkpoint_every=10_000, seed=args.seed,
-                                sync_every=args.sync_every), args.set)
+                                sync_every=args.sync_every), args.set).resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out: dict[str, Any] = {"steps": args.steps, "sync_every": args.sync_every, "set": args.set,
                            "backend": args.backend,

@@ -69,7 +69,7 @@ def config(args: argparse.Namespace, model: str, dataset: str) -> Any:
     sizes = DRY_RUN if args.dry_run else GPU_RUN
     extra = {"device": "cpu"} if args.dry_run else {}
     return LLMConfig(model=model, dataset=dataset, steps=args.steps, eval_every=args.steps,
-                     checkpoint_every=args.steps + 1, **sizes, **extra)
+                     checkpoint_every=args.steps + 1, **sizes, **extra).resolve()
 
 
 @contextlib.contextmanager

@@ -157,7 +157,7 @@ def device_per_thread(ctx: SimpleNamespace) -> dict[str, Any]:
 def _step_cfg(device: torch.device, **sizes: Any) -> LLMConfig:
     from grpo_nb.llm.config import LLMConfig
 
-    return LLMConfig(device=device.type, dtype="bfloat16", lr=LR, **sizes)
+    return LLMConfig(device=device.type, dtype="bfloat16", lr=LR, **sizes).resolve()
 
 
 def step_changed(ctx: SimpleNamespace) -> dict[str, Any]:
@@ -230,7 +230,7 @@ def memory(ctx: SimpleNamespace) -> dict[str, Any]:
     from grpo_nb.llm.config import LLMConfig
 
     runs = {"gpu_run": ctx.gpu_run, "cli_default": {}}
-    cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k", **ctx.gpu_run)
+    cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k", **ctx.gpu_run).resolve()
     device = torch.device(placement.trainer_device(cfg))
     fraction = placement.server_config(cfg.model, cfg).gpu_memory_utilization
     shared = placement.gpu_count() < 2  # else the server has a GPU of its own
@@ -243,7 +243,7 @@ def memory(ctx: SimpleNamespace) -> dict[str, Any]:
     held = torch.empty(held_bytes, dtype=torch.uint8, device=device)
     try:
         for name, sizes in runs.items():
-            run_cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k", **sizes)
+            run_cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k", **sizes).resolve()
             out[name] = _memory_steps(ctx, run_cfg, device, held_bytes)
     finally:
         del held

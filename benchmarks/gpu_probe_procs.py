@@ -291,7 +291,7 @@ def contention(ctx: SimpleNamespace) -> dict[str, Any]:
         return {"skipped": "no CUDA"}
     from grpo_nb.llm.config import LLMConfig
 
-    cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k", **ctx.gpu_run)
+    cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k", **ctx.gpu_run).resolve()
     out = measure_contention(ctx.shape, ctx.device, cfg)
     torch.cuda.empty_cache()
     return out

@@ -1,14 +1,30 @@
-"""Where the package keeps things (``GRPO_NB_CACHE``, ``GRPO_NB_RUNS``), and smoke mode
-(``GRPO_NB_SMOKE``: :func:`preset` picks each config's small ``smoke()`` preset), and
-:class:`InputError`, the bad input a command reports in one line.
+"""Where the package keeps things (``GRPO_NB_CACHE``, ``GRPO_NB_RUNS``), smoke mode
+(``GRPO_NB_SMOKE``: :func:`preset` picks each config's small ``smoke()`` preset),
+:class:`InputError` (the bad input a command reports in one line), and the configs' one
+validation rule: each field is checked against its annotation (:func:`check_fields`) and read
+from ``--set FIELD=VALUE`` by it (:func:`parse_sets`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import os
 import time
+import typing
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, Any, TypeVar
+
+from annotated_types import Ge, Gt, Le, Lt  # noqa: F401 (Lt: for the configs' own bounds)
+
+# Field annotations the configs share (bounds as pydantic reads them; NaN fails every bound).
+PosInt = Annotated[int, Ge(1)]
+NonNegInt = Annotated[int, Ge(0)]
+PosFloat = Annotated[float, Gt(0)]
+NonNegFloat = Annotated[float, Ge(0)]
+Fraction = Annotated[float, Gt(0), Le(1)]  # (0, 1]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -42,6 +58,66 @@ def preset(config_cls: type[C], smoke: bool | None = None) -> C:
     """``config_cls.smoke()`` in smoke mode, else the full default ``config_cls()``."""
     use_smoke = smoke_mode() if smoke is None else smoke
     return config_cls.smoke() if use_smoke else config_cls()
+
+
+@functools.cache
+def _adapters(cls: type) -> dict[str, Any]:
+    import pydantic
+
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: pydantic.TypeAdapter(hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def _why(err: Any) -> str:
+    return err.errors()[0]["msg"].replace("Input should be", "must be")
+
+
+def check_fields(cfg: Any) -> None:
+    """Check each field of the dataclass ``cfg`` against its annotation as pydantic reads it in
+    strict mode (the type, a ``Literal``'s choices, ``Annotated`` bounds); the first that fails
+    raises ``ValueError("ToyConfig.clip=1.5: must be less than 1")``."""
+    import pydantic
+
+    for name, adapter in _adapters(type(cfg)).items():
+        value = getattr(cfg, name)
+        try:
+            adapter.validate_python(value, strict=True)
+        except pydantic.ValidationError as err:
+            raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: {_why(err)}") from None
+
+
+def parse_sets(cls: type, assignments: Iterable[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` items as ``{FIELD: value}`` for the config class ``cls``, each value
+    read by its field's annotation (JSON first, then pydantic's lax rules for text: ``yes``,
+    ``1e-5``; ``none``); ``SUB.FIELD`` names a field of a config-typed field (``sync.verify``).
+    A ``ValueError`` names the item; the config checks the values it is built with."""
+    import pydantic
+
+    values: dict[str, Any] = {}
+    for item in assignments:
+        name, eq, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        owner, head, _, sub = cls, *name.partition(".")
+        if sub:  # SUB.FIELD: a field of the config-typed field SUB
+            owner, head = typing.get_type_hints(cls).get(head), sub
+        adapter = _adapters(owner).get(head) if dataclasses.is_dataclass(owner) else None
+        if not eq or adapter is None:
+            raise ValueError(f"--set {item!r}: " + ("write FIELD=VALUE" if not eq else
+                             f"{cls.__name__} has no field {name!r}") +
+                             f" (fields: {', '.join(_adapters(cls))})")
+        if adapter.core_schema["type"] == "any":  # the config validates it
+            values[name] = raw
+            continue
+        with contextlib.suppress(pydantic.ValidationError):
+            values[name] = adapter.validate_json(raw)
+            continue
+        try:
+            text = None if raw.strip().lower() in ("none", "null") else raw
+            values[name] = adapter.validate_python(text)
+        except pydantic.ValidationError as err:
+            raise ValueError(f"--set {name}={raw!r}: {owner.__name__}.{head} {_why(err)}") \
+                from None
+    return values
 
 
 def repo_root() -> Path | None:

@@ -29,7 +29,9 @@ class Plan:
     def describe(self) -> str:
         """One line for ``doctor`` and logs."""
         if not self.active:
-            return f"off ({self.why})"
+            threads = ("" if self.trainer_threads is None
+                       else f"; trainer with {self.trainer_threads} torch thread(s)")
+            return f"off ({self.why}){threads}"
         return (f"vLLM server on core(s) {format_cpus(self.server_cpus)}, trainer on "
                 f"{format_cpus(self.trainer_cpus)} with {self.trainer_threads} torch "
                 f"thread(s) ({self.why})")
@@ -128,19 +130,41 @@ def _pin_all_threads(cpus: Sequence[int]) -> None:
 
 
 @contextlib.contextmanager
+def torch_settings(threads: int | None = None, seed: int | None = None) -> Iterator[None]:
+    """Within it, torch runs ``threads`` threads and (with ``seed``) its generators start from
+    ``seed``; after it, also on error, the thread count and (with ``seed``) the generators'
+    states are as before: a notebook kernel that ran a trainer keeps its own settings."""
+    import torch
+
+    before, rng, cuda = torch.get_num_threads(), None, None
+    if seed is not None:
+        rng = torch.random.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        if rng is not None:
+            torch.random.set_rng_state(rng)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+@contextlib.contextmanager
 def pinned(p: Plan) -> Iterator[Plan]:
-    """Every thread of this process on the trainer's cores inside the block, then as before."""
+    """Every thread of this process on the trainer's cores, with the plan's torch threads, inside
+    the block; then both as before."""
     if not p.active:
         yield p
         return
-    import torch
-
-    cpus, threads = available_cpus(), torch.get_num_threads()
+    cpus = available_cpus()
     _pin_all_threads(p.trainer_cpus)
-    torch.set_num_threads(p.trainer_threads)
     try:
-        yield p
+        with torch_settings(p.trainer_threads):
+            yield p
     finally:
         _pin_all_threads(cpus)
-        torch.set_num_threads(threads)
-

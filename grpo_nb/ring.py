@@ -1,7 +1,7 @@
 """The skeleton both GRPO rings are built on: a stage's background loop and crash report, the
-three ring positions (with credits and a bounded two-phase shutdown), the trainers' dynamic
-sampling (:class:`DynamicSampling`), and the :class:`Controller` that spawns, wires, watches and
-stops the stages.
+three ring positions (with credits, the trainers' collection of a step and a bounded two-phase
+shutdown), and the :class:`Controller` that spawns and wires (:meth:`Controller.start_ring`),
+watches and stops the stages. The trainers' credits and admission: :mod:`grpo_nb.ring_core`.
 """
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ import contextlib
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from grpo_nb.actors import Actor, Channel, backend, class_for, current_rank, endpoint
-from grpo_nb.grpo import zero_std_groups
 from grpo_nb.metrics import MetricsRecorder
+from grpo_nb.ring_core import Admit
 
 
 @dataclass
@@ -34,45 +32,7 @@ class RingError(RuntimeError):
     """A ring actor failed; the message carries its name and traceback."""
 
 
-DYNAMIC_DROP_CAP = 3  # dynamic sampling drops at most this many times a step's groups a step
-
-
-@dataclass
-class DynamicSampling:
-    """DAPO's dynamic sampling, as both rings' trainers apply it while collecting a step: a
-    group whose rewards are all equal has zero advantages, so no gradient; :meth:`drops` says
-    to drop it, and the trainer then credits a replacement, so the step trains on ``per_step``
-    groups that carry gradient. At most ``DYNAMIC_DROP_CAP × per_step`` groups are dropped a
-    step: past that (a task solved or hopeless for the policy, where every group is flat) the
-    step takes the groups that come, equal-reward ones included, and :meth:`row` says
-    ``dynamic_capped``."""
-
-    per_step: int  # the groups a step trains on
-    total: int = 0  # equal-reward groups dropped over the run
-    dropped: int = 0  # ... while collecting the current step
-    capped: bool = False  # the current step reached the cap
-
-    def new_step(self) -> None:
-        self.dropped, self.capped = 0, False
-
-    def drops(self, rewards: Any) -> bool:
-        """Drop this group (its ``rewards`` all equal, the cap not reached)? Counts the drop."""
-        if zero_std_groups(torch.as_tensor(rewards, dtype=torch.float32), len(rewards)) == 0:
-            return False
-        if self.dropped >= DYNAMIC_DROP_CAP * self.per_step:
-            self.capped = True
-            return False
-        self.dropped += 1
-        self.total += 1
-        return True
-
-    def row(self) -> dict[str, Any]:
-        """The step row's fields: dropped this step, over the run, and whether the cap was hit."""
-        return {"dynamic_dropped": self.dropped, "dynamic_dropped_total": self.total,
-                "dynamic_capped": self.capped}
-
-
-async def cancel_task(task: asyncio.Task | None, *, quiet: bool = False) -> None:
+async def cancel_task(task: asyncio.Future | None, *, quiet: bool = False) -> None:
     """Cancel ``task`` and wait for it; ``quiet`` also swallows an error raised while it unwinds."""
     if task is not None and not task.done():
         task.cancel()
@@ -179,13 +139,15 @@ class Source(Stage):
 
 class Sink(Stage):
     """A stage with an inlet (:meth:`inlet` hands its port to the stage before it): the base of
-    the middle stages (:class:`Relay`) and of the ring's end (the trainers). Its waits while the
-    ring ends (:meth:`drain_sources`, :meth:`recv_within`, :meth:`discard_queued`) are bounded
-    by ``finish_timeout_s``, so a dead or stuck peer ends the run with a RingError naming it."""
+    the middle stages (:class:`Relay`) and of the ring's end (the trainers, which take each
+    step's groups with :meth:`collect`). Its waits while the ring ends (:meth:`drain_sources`,
+    :meth:`recv_within`, :meth:`discard_queued`) are bounded by ``finish_timeout_s``, so a dead
+    or stuck peer ends the run with a RingError naming it."""
 
     finish_timeout_s = 60.0  # the bound (a stage may set it from its config)
     timeout_field = "finish_timeout_s"  # the bound's setting, named in the error
     sender = "upstream"  # who feeds the inlet, for error messages
+    next_msg: asyncio.Future | None = None  # a receive :meth:`collect` left pending at a stop
 
     def open_inlet(self, metrics: Any) -> None:
         """Attach, and open the inlet that :meth:`inlet` hands to the stage before this one."""
@@ -195,6 +157,36 @@ class Sink(Stage):
     @endpoint
     async def inlet(self) -> Any:
         return self.port
+
+    async def collect(self, count: int, keep: Callable[[Any], bool], *,
+                      stopping: asyncio.Event | None = None,
+                      deadline: float | None = None) -> list[Any] | None:
+        """The next ``count`` messages that ``keep`` accepts (it counts, and credits, what it
+        drops), or ``None`` once ``stopping`` is set, ``deadline`` (a ``time.time()``) passes or
+        the stream ends. A receive then pending stays in ``next_msg`` for
+        :meth:`discard_queued`: cancelling it could lose a message already taken off the inlet."""
+        got: list[Any] = []
+        while len(got) < count:
+            left = None if deadline is None else deadline - time.time()
+            if (stopping is not None and stopping.is_set()) or (left is not None and left <= 0):
+                return None
+            if self.next_msg is None:
+                self.next_msg = asyncio.ensure_future(self.inbox.recv())
+            stop = asyncio.ensure_future(stopping.wait()) if stopping is not None else None
+            try:
+                await asyncio.wait({self.next_msg, *([stop] if stop else [])}, timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if stop is not None:
+                    stop.cancel()
+            if not self.next_msg.done():
+                continue  # stopped or out of time: checked at the top
+            msg, self.next_msg = self.next_msg.result(), None
+            if msg is None:  # the end of the stream
+                return None
+            if keep(msg):
+                got.append(msg)
+        return got
 
     async def drain_sources(self, sources: Any, count: int) -> None:
         """Drain the ``count`` sources at once; name those that do not answer in time."""
@@ -227,11 +219,17 @@ class Sink(Stage):
                 f"{self.sender} died or never sent the end of the stream (None)") from None
 
     async def discard_queued(self) -> int:
-        """After the sources were drained: read up to the ``None`` and count what was left."""
-        left = 0
-        while await self.recv_within(f"the end of the stream ({left} discarded)") is not None:
-            left += 1  # produced but never trained on: the price of running ahead
+        """After the sources were drained: read up to the ``None`` (first the receive
+        :meth:`collect` left pending, if any) and count what was left."""
+        left, pending, self.next_msg = 0, self.next_msg, None
+        while await self.recv_within(f"the end of the stream ({left} discarded)",
+                                     pending) is not None:
+            left, pending = left + 1, None  # produced but never trained on: running ahead
         return left
+
+    async def __cleanup__(self, exc: Any) -> None:
+        await super().__cleanup__(exc)
+        await cancel_task(self.next_msg, quiet=True)
 
 
 class Relay(Sink):
@@ -265,12 +263,22 @@ class Relay(Sink):
         raise NotImplementedError
 
 
+@dataclass
+class Ring:
+    """A started ring's four actor meshes (:meth:`Controller.start_ring`)."""
+
+    trainer: Any
+    scorer: Any
+    reference: Any
+    generators: Any
+
+
 class Controller:
     """Spawns, wires, watches and stops a ring's stages, on ``"asyncio"`` or ``"monarch"``."""
 
     def __init__(self, backend_name: str = "asyncio", recorder: MetricsRecorder | None = None,
                  *, stop_timeout_s: float = 15.0) -> None:
-        self.api = backend(backend_name)
+        self.backend, self.api = backend_name, backend(backend_name)
         self.rec = recorder if recorder is not None else MetricsRecorder(None)
         self.stop_timeout_s = stop_timeout_s
         self.offset = self.rec.now() - time.time()  # actors stamp wall clock; rows use rec time
@@ -290,6 +298,28 @@ class Controller:
         mesh = procs.spawn(name, class_for(cls, self.api), *args)
         self._meshes.append(mesh)
         return mesh
+
+    async def start_ring(self, stages: Mapping[str, type], args: tuple | Mapping[str, tuple],
+                         *, generators: int, procs: Mapping[str, Any] | None = None,
+                         admit: Admit | None = None) -> Ring:
+        """Spawn a ring's four ``stages`` (role → actor class; roles as :class:`Ring`'s fields)
+        and :meth:`wire` them. Each is built with ``args`` (or its role's, from a mapping), then
+        the generators with the scorer's inlet, then ``metrics``, then the trainer with
+        ``admit`` (None: :func:`grpo_nb.ring_core.admit`). ``procs``: role → proc mesh; by
+        default ``generators`` processes for the generators, this process for the others."""
+        procs, made = dict(procs or {}), {}
+        for role in ("trainer", "scorer", "reference", "generators"):  # the trainer loads first
+            where = procs.get(role) or (self.procs(generators) if role == "generators"
+                                        else self.procs(here=True))
+            built = [*(args[role] if isinstance(args, Mapping) else args)]
+            if role == "generators":
+                built.append(await made["scorer"].inlet.call_one())
+            built.append(self.metrics)
+            made[role] = self.spawn(where, role, stages[role], *built,
+                                    *((admit,) if role == "trainer" else ()))
+        ring = Ring(**made)
+        await self.wire(ring.generators, ring.scorer, ring.reference, ring.trainer)
+        return ring
 
     async def wire(self, generators: Any, scorer: Any, reference: Any, trainer: Any) -> None:
         """Start the stages back to front: every stage's output exists before anything flows in."""

@@ -12,11 +12,11 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
-from grpo_nb.config import cache_dir
+from grpo_nb.config import Ge, Le, NonNegInt, PosFloat, PosInt, cache_dir, check_fields
 from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset
 
 SPECIALS = ("<pad>", "<eos>", "<unk>")
@@ -29,41 +29,33 @@ _FORMAT_VERSION = 2  # bump when the build recipe changes, so old caches are not
 class TinyModelConfig:
     """Architecture (sized for a 2-core CPU), warm-start recipe and task: all the cache key."""
 
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    head_dim: int = 32
-    num_kv_heads: int = 2
-    ffn_size: int = 256
-    max_position_embeddings: int = 512
-    task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
-    lr: float = 1e-2  # after a linear warm-up; lower stays at 0 % for thousands of steps
-    warmup_steps: int = 100
-    batch_size: int = 128
-    target_acc: float = 0.30  # SFT stops at this teacher_forced_accuracy on eval_size problems
-    eval_every: int = 10
+    hidden_size: PosInt = 128  # the residual stream's width
+    num_layers: PosInt = 2  # decoder layers
+    num_heads: PosInt = 4  # query heads (a multiple of num_kv_heads)
+    head_dim: PosInt = 32  # per head
+    num_kv_heads: PosInt = 2  # key/value heads (grouped-query attention)
+    ffn_size: PosInt = 256  # the MLP's hidden width
+    max_position_embeddings: PosInt = 512  # the longest sequence (RoPE)
+    task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)  # what SFT teaches
+    lr: PosFloat = 1e-2  # after a linear warm-up; lower stays at 0 % for thousands of steps
+    warmup_steps: NonNegInt = 100  # of the linear warm-up
+    batch_size: PosInt = 128  # problems per SFT step
+    # SFT stops at this teacher_forced_accuracy on eval_size problems
+    target_acc: Annotated[float, Ge(0), Le(1)] = 0.30
+    eval_every: PosInt = 10  # SFT steps between evaluations
     dense_eval_from: float = 0.05  # from this accuracy on, evaluate after every step
-    eval_size: int = 256
-    max_steps: int = 3_000
-    seed: int = 0
+    eval_size: PosInt = 256  # test problems per evaluation
+    max_steps: NonNegInt = 3_000  # SFT steps at most
+    seed: int = 0  # initialisation and batches
 
     def __post_init__(self) -> None:
-        for name, low in [("hidden_size", 1), ("num_layers", 1), ("num_heads", 1), ("head_dim", 1),
-                          ("num_kv_heads", 1), ("ffn_size", 1), ("batch_size", 1),
-                          ("eval_every", 1), ("eval_size", 1), ("max_steps", 0),
-                          ("warmup_steps", 0)]:
-            if getattr(self, name) < low:
-                raise ValueError(f"TinyModelConfig.{name}={getattr(self, name)}: must be ≥ {low}")
+        check_fields(self)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"TinyModelConfig.num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
-        if not 0.0 <= self.target_acc <= 1.0:
-            raise ValueError(f"TinyModelConfig.target_acc={self.target_acc}: use 0..1")
         if self.task.ops != ("+",):
             raise ValueError(f"TinyModelConfig.task.ops={self.task.ops}: the warm start "
                              "supports additions only (fixed-length answers)")
-        if self.lr <= 0:
-            raise ValueError(f"TinyModelConfig.lr={self.lr}: must be > 0")
 
     @classmethod
     def smoke(cls) -> TinyModelConfig:

@@ -4,10 +4,13 @@
 
 ``nb05-async`` and ``nb05-sync`` (sections 6 and 7) are 05's ``cfg`` (its smoke preset, float32)
 with ``--steps`` and ``--time-budget``, the second in sync mode; ``nb05-stale0`` is Exercise 2's
-``short`` run of that ``cfg``. One vLLM server (05 section 2's ``server_for``) serves a short
-warm-up run and then the three ``train()`` calls in turn, as in the notebook; once all three
+``short`` run of that ``cfg`` (the ``workshop`` group). The ``dynamic`` group is ``nb05-async``'s
+config with one field changed: ``nb05-dynamic-off`` / ``nb05-dynamic-on`` (``dynamic_sampling``
+False / True, back to back) and ``nb05-binds`` (``max_ahead=2, max_staleness=1``: groups sampled
+two versions ahead are dropped). One vLLM server (05 section 2's ``server_for``) serves a short
+warm-up run and then the chosen groups' ``train()`` calls in turn, as in the notebook; once all
 finished, each is shrunk into ``--out`` with ``record_run``. Prints the machine, the command-line
-equivalent of each run and one JSON line per run, and writes them into the recording block of
+equivalent of each run and one JSON line per run, and writes each group's recording block of
 ``<out>/README.md``. ``tests/test_recorded.py`` checks the result.
 """
 
@@ -40,16 +43,27 @@ from grpo_nb.tiny_model import TinyModelConfig, build_or_load
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "notebooks" / "recorded"
-MIN_STEPS = 60  # tests/test_recorded.py's floor for the shipped async and sync runs
-BEGIN, END = "<!-- recording: written by scripts/record_nb05.py -->", "<!-- /recording -->"
+MIN_STEPS = 60  # tests/test_recorded.py's floor for the shipped runs but nb05-stale0
+GROUPS = {"workshop": ("nb05-async", "nb05-sync", "nb05-stale0"),
+          "dynamic": ("nb05-dynamic-off", "nb05-dynamic-on", "nb05-binds")}
+# seconds of ``busy`` rows each group keeps (05's timeline plots only the workshop group's)
+BUSY_WINDOW_S = {"workshop": 30.0, "dynamic": 2.0}
+MAX_DYNAMIC_BYTES = 300_000  # a dynamic-group folder's size limit (tests/test_recorded.py)
+MARKS = {"workshop": ("<!-- recording: written by scripts/record_nb05.py -->",
+                     "<!-- /recording -->"),
+         "dynamic": ("<!-- recording dynamic: written by scripts/record_nb05.py -->",
+                     "<!-- /recording dynamic -->")}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100,
-                        help="steps of nb05-async and nb05-sync (default %(default)s)")
+                        help="steps of every run but nb05-stale0 (default %(default)s)")
     parser.add_argument("--time-budget", type=float, default=300.0,
                         help="time budget of each of those runs, seconds (default %(default)s)")
+    parser.add_argument("--group", choices=[*GROUPS, "all"], default="all",
+                        help="the runs to record (default %(default)s; the other group's "
+                             "folders and README block are left as they are)")
     parser.add_argument("--stale0-steps", type=int, default=10,
                         help="nb05-stale0's steps (Exercise 2: %(default)s)")
     parser.add_argument("--stale0-budget", type=float, default=60.0,
@@ -65,17 +79,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def notebook_configs(args: argparse.Namespace) -> dict[str, LLMConfig]:
-    """05's three runs: section 1's ``cfg`` (longer), section 7's sync, Exercise 2's ``short``."""
+    """The chosen groups' runs: section 1's ``cfg`` (longer), section 7's sync, Exercise 2's
+    ``short``; ``cfg`` without and with dynamic sampling, and with ``max_ahead`` past
+    ``max_staleness``."""
     cfg = preset(LLMConfig, smoke=not args.full).replace(
-        dtype="float32", steps=args.steps, time_budget_s=args.time_budget)
+        dtype="float32", steps=args.steps, time_budget_s=args.time_budget).resolve()
     short = cfg.replace(steps=min(cfg.steps, args.stale0_steps), max_staleness=0,
                         eval_every=1000, time_budget_s=args.stale0_budget)
-    return {"nb05-async": cfg, "nb05-sync": cfg.replace(mode="sync"), "nb05-stale0": short}
+    every = {"nb05-async": cfg, "nb05-sync": cfg.replace(mode="sync"), "nb05-stale0": short,
+             "nb05-dynamic-off": cfg.replace(dynamic_sampling=False),
+             "nb05-dynamic-on": cfg.replace(dynamic_sampling=True),
+             "nb05-binds": cfg.replace(max_ahead=2, max_staleness=1)}
+    groups = GROUPS if args.group == "all" else {args.group: GROUPS[args.group]}
+    return {name: every[name] for names in groups.values() for name in names}
+
+
+def group_of(name: str) -> str:
+    return next(g for g, names in GROUPS.items() if name in names)
 
 
 def cli_command(name: str, cfg: LLMConfig, full: bool) -> str:
     """``python -m grpo_nb train`` with the same config (its own server), checked by parsing."""
-    base = preset(LLMConfig, smoke=not full)
+    base = preset(LLMConfig, smoke=not full).resolve()
     argv = [] if full else ["--smoke"]
     for f in fields(LLMConfig):
         value = getattr(cfg, f.name)
@@ -85,7 +110,7 @@ def cli_command(name: str, cfg: LLMConfig, full: bool) -> str:
         raise ValueError(f"{name}: sync settings differ from the preset's: {cfg.sync}")
     argv += ["--name", name]
     parsed = parse_config(argv)[1]
-    if parsed.to_dict() != cfg.to_dict():
+    if parsed.to_dict() != cfg.resolve().to_dict():
         raise AssertionError(f"{name}: the command line does not give the run's config")
     return "python -m grpo_nb train " + shlex.join(argv)
 
@@ -120,7 +145,8 @@ def machine() -> dict[str, Any]:
 def summary(name: str, run_dir: Path, load_start: list[float], elapsed: float) -> dict[str, Any]:
     """A run as 05 reads it: steps, accuracy, staleness and its steady step."""
     res, rec = recorded_run(run_dir)
-    every = json.loads((run_dir / "config.json").read_text()).get("checkpoint_every")
+    config = json.loads((run_dir / "config.json").read_text())
+    every = config.get("checkpoint_every")
     try:
         p = cost.step_phases(rec.rows(), every)
         steady = {"steady_step_s": round(p.step, 3), "steady_steps": p.steps,
@@ -130,10 +156,28 @@ def summary(name: str, run_dir: Path, load_start: list[float], elapsed: float) -
         steady = {"steady_step_s": None}
     return {"run": name, "steps": res.steps, "wall_s": res.wall_s,
             "loop_s": round(cost.loop_seconds(rec.rows()), 1), **steady,
+            **group_counts(rec.rows(), config["group_size"]),
             "accuracy_before": res.accuracy_before, "accuracy_after": res.accuracy_after,
             "staleness_mean": res.staleness_mean, "stale_dropped": res.stale_dropped,
             "weights_verified": res.weights_verified, "elapsed_s": round(elapsed, 1),
             "load_avg": [load_start, [round(x, 2) for x in os.getloadavg()]]}
+
+
+def group_counts(rows: list[dict[str, Any]], group_size: int) -> dict[str, Any]:
+    """Equal-reward groups and rewards over a run's step rows: ``equal_reward_frac`` of the
+    groups the staleness rule admitted (dynamic sampling's drops included), ``trained_equal``
+    equal-reward groups trained on, ``dynamic_dropped`` and ``reward_per_s`` (the summed reward
+    of the completions trained on, per second of the training loop)."""
+    steps = [r for r in rows if r["kind"] == "step"]
+    trained = sum(len(r["staleness"]) for r in steps)
+    equal = sum(r["zero_std_groups"] for r in steps)
+    dropped = sum(r.get("dynamic_dropped", 0) for r in steps)
+    reward = sum(r["reward"] * len(r["staleness"]) * group_size for r in steps)
+    loop = cost.loop_seconds(rows)
+    return {"groups_trained": trained, "trained_equal": equal, "dynamic_dropped": dropped,
+            "dynamic_capped_steps": sum(bool(r.get("dynamic_capped")) for r in steps),
+            "equal_reward_frac": round((equal + dropped) / max(trained + dropped, 1), 4),
+            "reward_per_s": round(reward / loop, 2) if loop else None}
 
 
 def cost_model(out: Path) -> dict[str, float]:
@@ -154,7 +198,7 @@ def readme_block(command: str, box: dict[str, Any], runs: list[dict[str, Any]],
                  commands: dict[str, str], model: dict[str, float], full: bool,
                  total_s: float) -> str:
     where = {"nb05-async": "section 6", "nb05-sync": "section 7", "nb05-stale0": "Exercise 2"}
-    lines = [BEGIN, "", f"Recorded {box['date']} (commit {box['commit']}, vLLM {box['vllm']}, "
+    lines = [MARKS["workshop"][0], "", f"Recorded {box['date']} (commit {box['commit']}, vLLM {box['vllm']}, "
              f"torch {box['torch']}) with", "", f"    {command}", "",
              f"on {box['nproc']} cores ({box['cpu']}), {box['mem_gib']} GiB, load average "
              f"{' / '.join(map(str, box['load_avg_start']))} (1 / 5 / 15 min) at the start, "
@@ -176,29 +220,57 @@ def readme_block(command: str, box: dict[str, Any], runs: list[dict[str, Any]],
               f"{model['async_step']:.2f} s (predicted {model['async_step_predicted']:.2f} s) "
               f"against sync's {model['sync_step']:.2f} s: {model['speedup']:.2f}× (the model: "
               f"{model['speedup_model']:.2f}×, overlap bound {model['overlap_bound']:.2f}×)."]
-    return "\n".join([*lines, "", END])
+    return "\n".join([*lines, "", MARKS["workshop"][1]])
 
 
-def write_readme(out: Path, block: str | None) -> None:
-    """Replace the recording block of ``out/README.md`` (``None``: only check it has one)."""
-    readme = out / "README.md"
-    text = readme.read_text() if readme.is_file() else f"# Recorded runs\n\n{BEGIN}\n{END}\n"
-    head, begin, rest = text.partition(BEGIN)
-    _, end, tail = rest.partition(END)
+def dynamic_block(command: str, box: dict[str, Any], runs: list[dict[str, Any]],
+                  commands: dict[str, str], total_s: float) -> str:
+    """The dynamic group's README block: each run's command, drops and rewards."""
+    begin, end = MARKS["dynamic"]
+    lines = [begin, "", f"Recorded {box['date']} (commit {box['commit']}, vLLM {box['vllm']}, "
+             f"torch {box['torch']}) with", "", f"    {command}", "",
+             f"on {box['nproc']} cores ({box['cpu']}), load average "
+             f"{' / '.join(map(str, box['load_avg_start']))} (1 / 5 / 15 min) at the start, "
+             f"{total_s / 60:.1f} min in all, one server serving the runs in turn as above. "
+             "`equal_reward_frac`: the admitted groups whose rewards were all equal (dynamic "
+             "sampling's drops included); `reward/s`: the summed reward of the completions "
+             "trained on per second of the training loop.", ""]
+    for r in runs:
+        lines += [f"- `{r['run']}`: `{commands[r['run']]}`  ",
+                  f"  {r['steps']} steps, {r['loop_s']:.0f} s loop, accuracy "
+                  f"{r['accuracy_before']:.3f} → {r['accuracy_after']:.3f}, equal_reward_frac "
+                  f"{r['equal_reward_frac']:.3f}, {r['trained_equal']} equal-reward groups "
+                  f"trained on, {r['dynamic_dropped']} dropped by dynamic sampling "
+                  f"({r['dynamic_capped_steps']} steps at its cap), {r['stale_dropped']} by "
+                  f"staleness, reward/s {r['reward_per_s']}; load average "
+                  f"{r['load_avg'][1][0]} at its end."]
+    return "\n".join([*lines, "", end])
+
+
+def write_readme(out: Path, group: str, block: str | None) -> None:
+    """Replace ``group``'s recording block of ``out/README.md`` (``None``: only check it has
+    one)."""
+    readme, (begin_mark, end_mark) = out / "README.md", MARKS[group]
+    text = readme.read_text() if readme.is_file() else "# Recorded runs\n"
+    if begin_mark not in text and end_mark not in text:  # a group never recorded: add its block
+        text = f"{text.rstrip()}\n\n{begin_mark}\n{end_mark}\n"
+    head, begin, rest = text.partition(begin_mark)
+    _, end, tail = rest.partition(end_mark)
     if not (begin and end):
-        raise ValueError(f"{readme}: no {BEGIN} … {END} block to replace")
+        raise ValueError(f"{readme}: no {begin_mark} … {end_mark} block to replace")
     if block is not None:
         readme.write_text(head + block + tail)
 
 
 async def run_all(cfgs: dict[str, LLMConfig], model_dir: Path, server: Any, smoke: bool
                   ) -> tuple[dict[str, Path], list[dict[str, Any]]]:
-    """The three runs in turn (run folders under ``runs/record_nb05/``), each summarised,
-    after a 2-step run that is not recorded: the first run of a process and a server pays
+    """The runs in turn (run folders under ``runs/record_nb05/``), each summarised, after a
+    2-step run of the first that is not recorded: the first run of a process and a server pays
     one-time costs (imports, the transfer group, the server's first large batch) that 05's
-    sections 3-5 pay before section 6, and that would otherwise land on nb05-async alone."""
+    sections 3-5 pay before section 6, and that would otherwise land on the first run alone."""
     t0 = time.perf_counter()
-    await train(cfgs["nb05-async"].replace(steps=2), model_dir=model_dir, server=server,
+    first = next(iter(cfgs.values()))
+    await train(first.replace(steps=2), model_dir=model_dir, server=server,
                 name="record_nb05/warmup", smoke=smoke, progress=False)
     print(json.dumps({"warmup_s": round(time.perf_counter() - t0, 1)}), flush=True)
     dirs, runs = {}, []
@@ -222,23 +294,35 @@ def main(argv: list[str]) -> int:
               "the step times will measure the other work, not the ring", file=sys.stderr)
     cfgs = notebook_configs(args)
     commands = {name: cli_command(name, c, args.full) for name, c in cfgs.items()}
-    write_readme(args.out, None)  # a README without the block fails now, not after the runs
+    groups = [g for g in GROUPS if any(n in cfgs for n in GROUPS[g])]
+    for group in groups:  # a README without a block fails now, not after the runs
+        write_readme(args.out, group, None)
     print(json.dumps({"command": command, "runs": commands}), flush=True)
     quiet_libraries()
     t0 = time.perf_counter()
     model_dir = build_or_load(TinyModelConfig(), progress=False)  # 05 section 2's model
-    server = server_for(str(model_dir), cfgs["nb05-async"]).start()
+    server = server_for(str(model_dir), next(iter(cfgs.values()))).start()
     try:
         print(json.dumps({"server_start_s": round(time.perf_counter() - t0, 1),
                           "server_cpus": getattr(server, "cpus", None)}), flush=True)
         dirs, runs = asyncio.run(run_all(cfgs, model_dir, server, not args.full))
     finally:
         server.stop()
-    for name, run_dir in dirs.items():  # only once all three ran: never a mixed set
-        record_run(run_dir, args.out / name)
-    model, total_s = cost_model(args.out), time.perf_counter() - t0
-    print(json.dumps({"cost_model": model, "total_s": round(total_s, 1)}))
-    write_readme(args.out, readme_block(command, box, runs, commands, model, args.full, total_s))
+    for name, run_dir in dirs.items():  # only once all ran: never a mixed set
+        dest = record_run(run_dir, args.out / name, busy_window_s=BUSY_WINDOW_S[group_of(name)])
+        size = sum(f.stat().st_size for f in dest.iterdir())
+        if group_of(name) == "dynamic" and size > MAX_DYNAMIC_BYTES:
+            print(f"WARNING: {dest} holds {size} bytes (> {MAX_DYNAMIC_BYTES})", file=sys.stderr)
+    total_s = time.perf_counter() - t0
+    mine = {g: [r for r in runs if group_of(r["run"]) == g] for g in groups}
+    if "workshop" in groups:
+        model = cost_model(args.out)
+        print(json.dumps({"cost_model": model, "total_s": round(total_s, 1)}))
+        write_readme(args.out, "workshop", readme_block(command, box, mine["workshop"],
+                                                        commands, model, args.full, total_s))
+    if "dynamic" in groups:
+        write_readme(args.out, "dynamic",
+                     dynamic_block(command, box, mine["dynamic"], commands, total_s))
     print(f"wrote {args.out}/README.md; check with: .venv/bin/pytest -q tests/test_recorded.py "
           "tests/test_dashboard.py", file=sys.stderr)
     return 0

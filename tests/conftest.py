@@ -29,11 +29,18 @@ class SharedServer:
     log-probs) and whether a test has pushed other weights into it since the last restore."""
 
     def __init__(self, model_dir: Path) -> None:
+        from worker_probes import EXTENSION
+
         from grpo_nb.llm.config import LLMConfig
         from grpo_nb.llm.run import server_for
 
         self.model_dir, self.changed = model_dir, False
-        self.server = server_for(str(model_dir), LLMConfig()).start(progress=False)
+        server = server_for(str(model_dir), LLMConfig())
+        # the package's worker extension plus the tests' probes, importable from this folder
+        server.cfg.worker_extension_cls = EXTENSION
+        server.cfg.env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+        self.server = server.start(progress=False)
 
     def restore(self) -> None:
         """Serve the model folder's own weights again (a gloo sync: about a second)."""
@@ -100,6 +107,34 @@ def _no_vllm_left_behind() -> Iterator[None]:
     for server in forgotten:  # a test that forgot stop(): clean up, then fail
         server.stop()
     assert not left, f"vLLM processes left behind: {left} (servers {forgotten})"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_runs_outside_the_checkout(tmp_path_factory: pytest.TempPathFactory
+                                       ) -> Iterator[Path]:
+    """Runs and server logs of session-scoped fixtures (the shared server's log) go to a
+    temporary folder, not the checkout's ``runs/`` (``grpo_nb.config.runs_dir`` reads
+    ``GRPO_NB_RUNS``; subprocesses inherit it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        runs = tmp_path_factory.mktemp("session-runs")
+        patch.setenv("GRPO_NB_RUNS", str(runs))
+        yield runs
+
+
+@pytest.fixture(autouse=True)
+def _runs_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's runs, checkpoints and server logs under its own ``tmp_path / "runs"``."""
+    monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path / "runs"))
+    return tmp_path / "runs"
+
+
+@pytest.fixture
+def fake_vllm() -> Iterator[object]:
+    """The tests' one fake vLLM server (tests/fake_vllm.py), started, closed after the test."""
+    from fake_vllm import FakeVLLM
+
+    with FakeVLLM() as fake:
+        yield fake
 
 
 @pytest.fixture(scope="module")

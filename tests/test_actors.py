@@ -218,7 +218,7 @@ def test_stop_cancels_runs_cleanup_and_refuses_later_calls() -> None:
         await asyncio.sleep(0.05)
         t0 = time.perf_counter()
         await actor.stop()
-        assert time.perf_counter() - t0 < 1.0
+        assert time.perf_counter() - t0 < 30.0  # a hang guard: forever sleeps an hour
         assert await log_recv.recv() == ("cleanup", None, 0)  # run as the actor, at its rank
         for fut in (running, queued):
             with pytest.raises(ActorError):

@@ -90,26 +90,13 @@ def test_checker_catches_a_loss_without_gradient() -> None:
     assert problems and "gradient" in problems[0]
 
 
-class _FakeControl:
-    def __init__(self) -> None:
-        self.bodies: list[dict] = []
+def test_served_logprobs_score_exactly_the_completion_tokens(fake_vllm) -> None:
+    from types import SimpleNamespace
 
-    def model_name(self) -> str:
-        return "m"
+    from grpo_nb.weight_sync.client import VLLMControlClient
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        self.bodies.extend(sequences)
-        # the served log-prob of token i given the ones before it: -i here
-        return [[-float(i) for i in range(1, len(seq))] for seq in sequences]
-
-
-class _FakeSyncer:
-    def __init__(self) -> None:
-        self.client = _FakeControl()
-
-
-def test_served_logprobs_score_exactly_the_completion_tokens() -> None:
-    syncer = _FakeSyncer()
+    fake_vllm.prompt_logprob = lambda seq, i: -float(i)  # token i given those before it: -i
+    syncer = SimpleNamespace(client=VLLMControlClient(fake_vllm.url, timeout=30))
     out = served_logprobs(syncer, _group().rollouts)
     assert [t.tolist() for t in out] == [[-3.0, -4.0], [-3.0, -4.0, -5.0, -6.0]]
-    assert syncer.client.bodies[1] == [1, 2, 3, 6, 7, 8, 9]
+    assert fake_vllm.sampled[1]["prompt"] == [1, 2, 3, 6, 7, 8, 9]

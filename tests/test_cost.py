@@ -1,15 +1,20 @@
-"""The step cost model (grpo_nb.llm.cost) on synthetic metric rows: no server, no torch.
+"""The step cost model (grpo_nb.llm.cost) on synthetic metric rows, and its GPU memory plan
+from model shapes (checked against what transformers builds and torch saves): no server.
 
-Every expected value below is worked out by hand from the rows written in the test."""
+Every expected value below is worked out by hand from the rows or shapes written in the test."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from grpo_nb.llm import cost
 from grpo_nb.llm.cost import (
     loop_seconds,
     predict,
@@ -167,3 +172,108 @@ def test_loop_seconds() -> None:
     """From step 1's start (t − wall_s = 10 − 1) to the last step's row (14)."""
     assert loop_seconds(sync_run()) == pytest.approx(5.0)
     assert loop_seconds([]) == 0.0
+
+
+# ── GPU memory of the single-GPU plan (cost.memory_plan), from shapes ──
+
+QWEN06 = cost.QWEN3["Qwen3-0.6B"]
+SMALL = cost.ModelShape(hidden=96, layers=2, vocab=160, heads=6, kv_heads=3, head_dim=8,
+                        intermediate=160)
+
+
+def _hf_model(shape: cost.ModelShape, layers: int | None = None) -> Any:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(Qwen3Config(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=layers or shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab,
+        tie_word_embeddings=shape.tied)).float()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_params_and_kv_per_token_follow_the_model(tied: bool) -> None:
+    """The closed form counts what transformers builds; Qwen3-0.6B: 596,049,920 parameters
+    (tied head) and 2 × 28 layers × 8 KV heads × 128 × 2 B = 114,688 B of KV per token."""
+    shape = dataclasses.replace(SMALL, tied=tied)
+    model = _hf_model(shape)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert QWEN06.params == 596_049_920
+    assert QWEN06.kv_bytes_per_token("bfloat16") == 114_688
+    assert QWEN06.kv_bytes_per_token("float32") == 2 * 114_688
+    assert cost.ModelShape.from_hf(model.config.to_dict()) == shape
+
+
+def _saved_bytes(shape: cost.ModelShape, layers: int, seq: int, batch: int = 2) -> int:
+    """Bytes autograd saves in the base model's forward under bf16 autocast on the CPU,
+    parameters left out, each storage once."""
+    model = _hf_model(shape, layers)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, shape.vocab, (batch, seq))
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("shape", [SMALL, cost.ModelShape(128, 2, 160, 8, 8, 16, 320),
+                                   cost.ModelShape(128, 2, 160, 16, 8, 128, 384)])
+def test_a_layers_saved_activations_are_what_torch_saves(shape: cost.ModelShape) -> None:
+    """One more layer saves ``layer_saved_per_token`` per token plus its weights' bf16 copies
+    (autocast's cache: the forward's 2 B a parameter); counted with saved_tensors_hooks at two
+    lengths, so the per-token part and the per-layer constant come apart."""
+    per_layer = {seq: _saved_bytes(shape, 2, seq) - _saved_bytes(shape, 1, seq)
+                 for seq in (16, 48)}
+    per_token = (per_layer[48] - per_layer[16]) / (2 * 32)
+    assert per_token == shape.layer_saved_per_token()
+    layer_params = (shape.params - shape.vocab * shape.hidden - shape.hidden) // shape.layers
+    norms = 2 * shape.hidden + 2 * shape.head_dim  # RMSNorm weights: float32, not cast
+    assert per_layer[16] - 2 * 16 * per_token == 2 * (layer_params - norms)
+
+
+def test_memory_plan_term_by_term_for_qwen3_06b() -> None:
+    """The GPU run's batch (8 prompts × 8, 256 + 256 tokens: 32,768 tokens, 16,384 scored)
+    and 2 × 64 requests in flight, each term worked out by hand."""
+    plan = cost.memory_plan(QWEN06, sequences=64, prompt_len=256, completion_len=256,
+                            server_seqs=128)
+    p = 596_049_920
+    layer = 32_768 * (82_088 + 8 * 1024)  # one layer recomputed + the residual's 2 gradients
+    assert QWEN06.layer_saved_per_token() == 82_088
+    assert plan.trainer_terms == {
+        "weights_adam": 12 * p,                         # float32 weights + AdamW's 2 moments
+        "checkpoints": 29 * 32_768 * 1024 * 4,          # 28 layer inputs + the final norm's
+        "peak_phase": 4 * p + layer,                    # backward: float32 grads + one layer
+        "head_rows": 2 * 16_384 * 1024 * 4,             # the scored rows' hidden and gradient
+        "mask": 4 * 64 * 512 ** 2,                      # 4-D float32 padding mask
+        "context": 1 << 29}
+    assert plan.trainer_peak == 17_125_605_376          # 15.95 GiB
+    # the forward's end is the smaller phase: bf16 weights + 441 rows of 151,936 logits × 10 B
+    assert 2 * p + 10 * 441 * 151_936 < 4 * p + layer
+    assert plan.server_terms == {"weights": 2 * p,
+                                 "kv_cache": int(1.2 * (128 + 64) * 512 * 114_688),
+                                 "overhead": 2 << 30}
+    assert plan.server_need == 16_868_730_470           # 15.7 GiB
+
+
+def test_fits_takes_the_servers_rounded_share_and_the_trainers_margin() -> None:
+    plan = cost.MemoryPlan({"all": 10_000}, {"all": 2_001})
+    assert cost.server_fraction(2_001, 20_000) == 0.11           # rounded up to 0.01
+    assert plan.fits(20_000) == (0.11 * 20_000 + 1.1 * 10_000 <= 20_000)
+    assert plan.fits(13_050) is False  # 0.16 × 13,050 + 1.1 × 10,000 = 13,088 (unrounded: 13,001)
+    assert plan.fits(13_100) is True   # 0.16 × 13,100 + 11,000 = 13,096
+    assert cost.server_fraction(16_868_730_470, 80 * 10**9) == 0.22
+
+
+def test_readme_memory_table_is_memory_rows() -> None:
+    """README's table rows are what :func:`cost.memory_rows` computes now."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = [line for line in text.splitlines() if line.startswith("| Qwen3-")
+             and "× 8 × (256 + 256)" in line]
+    assert shown == cost.memory_rows()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_nb.config import smoke_mode
 from grpo_nb.course import doctor, machine
 
 VLLM_NOTEBOOKS = [k for k, n in doctor.NOTEBOOK_NEEDS.items() if "vllm" in n.packages]
@@ -133,3 +134,90 @@ def test_too_little_memory_blocks_the_notebooks_that_need_more(
             assert not memory_problems, (key, memory_problems)
     assert VLLM_NOTEBOOKS and all(doctor.NOTEBOOK_NEEDS[k].min_free_gib > 2.5
                                   for k in VLLM_NOTEBOOKS)
+
+
+class _FakeRoom:
+    """Stand-ins for the warm-up's pieces: they record what was started, in order."""
+
+    def __init__(self, tmp_path: Path, fail_at: str | None = None) -> None:
+        self.model_dir, self.fail_at, self.started = tmp_path / "tiny-qwen3-x", fail_at, []
+
+    def pieces(self) -> machine.WarmUp:
+        return machine.WarmUp(lambda: self.model_dir, self.servers, self.start)
+
+    def servers(self, model: Path) -> list[tuple[str, str]]:
+        return [("notebook 04", f"cfg04:{model.name}"), ("notebook 05", f"cfg05:{model.name}")]
+
+    def start(self, cfg: str) -> float:
+        self.started.append(cfg)
+        if cfg.startswith(self.fail_at or "-"):
+            raise RuntimeError("vLLM exited with code 1 after 3 s; log runs/vllm/x.log:\nTraceback…")
+        return 40.0 if len(self.started) <= 2 else 4.0
+
+
+@pytest.fixture
+def _plenty_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    memory = namedtuple("memory", "available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(16 * 2**30))
+
+
+@pytest.mark.usefixtures("_plenty_of_memory")
+def test_workshop_warm_up_starts_each_notebook_server_then_the_first_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    room = _FakeRoom(tmp_path)
+    monkeypatch.setattr(machine, "default_warm_up", room.pieces)
+    assert doctor.cli(["--workshop"]) == 0
+    assert room.started == ["cfg04:tiny-qwen3-x", "cfg05:tiny-qwen3-x", "cfg04:tiny-qwen3-x"]
+    out = capsys.readouterr().out
+    mode = "smoke" if smoke_mode() else "full"
+    assert f"workshop warm-up, {mode} mode" in out and "tiny-qwen3-x: ready in" in out
+    assert f"{'notebook 05':<20} vLLM server healthy in 40 s (compiled, its caches filled)" in out
+    assert (f"{'notebook 04 again':<20} vLLM server healthy in 4 s (the room's first start will "
+            "take about this long)") in out
+    assert out.rstrip().endswith("ready.")
+    room.started.clear()
+    assert doctor.cli([]) == 0 and room.started == []  # without --workshop nothing starts
+
+
+@pytest.mark.usefixtures("_plenty_of_memory")
+def test_a_server_that_fails_to_start_ends_the_warm_up_with_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    room = _FakeRoom(tmp_path, fail_at="cfg05")
+    monkeypatch.setattr(machine, "default_warm_up", room.pieces)
+    assert doctor.cli(["--workshop"]) == 1
+    assert room.started == ["cfg04:tiny-qwen3-x", "cfg05:tiny-qwen3-x"]  # no start after it
+    err = capsys.readouterr().err
+    problem = _one_line(err.strip().removeprefix("not ready: "))
+    assert problem.startswith("notebook 05's vLLM server failed: RuntimeError: vLLM exited with "
+                              "code 1 after 3 s; log runs/vllm/x.log:"), problem
+    assert "python -m grpo_nb doctor" in problem and "Traceback" not in problem
+    checks = machine.warm_caches(_FakeRoom(tmp_path, fail_at="cfg").pieces())
+    assert [c.name for c in checks] == ["tiny model", "notebook 04's vLLM server"]
+
+
+def test_the_warm_up_is_skipped_when_the_vllm_notebooks_cannot_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    room = _FakeRoom(tmp_path)
+    monkeypatch.setattr(machine, "default_warm_up", room.pieces)
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    assert doctor.cli(["--workshop"]) == 1 and room.started == []
+    out = capsys.readouterr().out
+    assert "workshop warm-up: skipped" in out and "notebook 04 is not ready" in out
+
+
+def test_the_warm_up_starts_the_notebooks_own_servers_compiled(
+        random_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's compile cache is keyed on the settings (max_model_len, the model folder, ...): the
+    # warm-up must start exactly the servers notebooks 04 and 05 start, and compiled even where
+    # GRPO_NB_SERVER_EAGER=1 (the suite's setting) is inherited.
+    from grpo_nb.serving.server import EAGER_ENV
+
+    monkeypatch.setenv(EAGER_ENV, "1")
+    servers = dict(machine.notebook_servers(random_model_dir))
+    assert list(servers) == ["notebook 04", "notebook 05"]
+    for cfg in servers.values():
+        assert cfg.eager is False and cfg.model == str(random_model_dir)
+        assert "--enforce-eager" not in cfg.command(8000, gpu=False)
+    assert servers["notebook 05"].worker_extension_cls  # 05's server takes weight syncs

@@ -1,7 +1,8 @@
 """DAPO's dynamic sampling in both rings, and the LLM ring's overlong handling; no vLLM server.
 
-The LLM trainer's collection is driven with fake groups on a trainer built without a model (as
-tests/test_ring_bounded.py drives its finish path); the toy ring runs end to end.
+The LLM trainer's collection is driven with fake groups on a trainer built on a random model
+(tests/llm_trainer.py, as tests/test_ring_bounded.py drives its finish path); the toy ring runs
+end to end.
 """
 
 from __future__ import annotations
@@ -14,36 +15,15 @@ from typing import Any
 
 import pytest
 import torch
+from llm_trainer import built_trainer
 
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Rollout
-from grpo_nb.ring import DYNAMIC_DROP_CAP, DynamicSampling
+from grpo_nb.ring_core import DYNAMIC_DROP_CAP
 
 pytestmark = pytest.mark.timeout(120)
 
 # ── the LLM trainer's collection ──
-
-
-def _collecting(cfg: LLMConfig, groups: list[Any]) -> tuple[Any, list[int]]:
-    """A :class:`grpo_nb.llm.actors.Trainer` at step 3 with ``groups`` queued, and the credit
-    totals it broadcasts."""
-    from grpo_nb.actors import Channel
-    from grpo_nb.llm.actors import Trainer
-
-    t = object.__new__(Trainer)
-    port, t.inbox = Channel.open()
-    t.cfg, t.stopping, t.next_msg, t.deadline = cfg, asyncio.Event(), None, None
-    t.pt, t.received, t.dropped = SimpleNamespace(step_count=3, version=3), 0, 0
-    t.issued = cfg.prompts_per_step
-    t.dynamic = DynamicSampling(cfg.prompts_per_step)
-    t.report = lambda kind, **_: None
-    t.port = port
-    credits: list[int] = []
-    t.credits = SimpleNamespace(progress=SimpleNamespace(
-        broadcast=lambda version, issued: credits.append(issued)))
-    for g in groups:
-        port.send(g)
-    return t, credits
 
 
 def _fake(name: str, rewards: list[float], version: int = 3) -> SimpleNamespace:
@@ -51,46 +31,50 @@ def _fake(name: str, rewards: list[float], version: int = 3) -> SimpleNamespace:
 
 
 def _collect(t: Any) -> list[str]:
-    t.dynamic.new_step()
-    groups = asyncio.run(asyncio.wait_for(t._collect(t.credits), 5.0))
+    t.ledger.dynamic.new_step()
+    groups = asyncio.run(asyncio.wait_for(t.collect(t.cfg.prompts_per_step, t.keep), 5.0))
     return [g.name for g in groups]
 
 
-def test_llm_collection_drops_equal_reward_groups_and_credits_replacements() -> None:
+def test_llm_collection_drops_equal_reward_groups_and_credits_replacements(
+        random_model_dir) -> None:
     queued = [_fake("flat1", [1.0, 1.0]), _fake("mixed1", [0.0, 1.0]),
               _fake("stale-flat", [0.0, 0.0], version=0), _fake("flat0", [0.0, 0.0]),
               _fake("mixed2", [1.0, 0.5])]
     cfg = LLMConfig(prompts_per_step=2, group_size=2, max_staleness=1, dynamic_sampling=True)
-    t, credits = _collecting(cfg, queued)
-    assert _collect(t) == ["mixed1", "mixed2"]
-    # each drop, stale or equal-reward, credited one more group, the moment it came
-    assert credits == [3, 4, 5] and t.issued == 5 and t.received == 5
-    assert t.dropped == 1  # the stale one counts as stale, not as dynamic sampling's
-    assert t.dynamic.row() == {"dynamic_dropped": 2, "dynamic_dropped_total": 2,
-                               "dynamic_capped": False}
+    with built_trainer(random_model_dir, cfg, groups=queued, step=3) as t:
+        assert _collect(t) == ["mixed1", "mixed2"]
+        # each drop, stale or equal-reward, credited one more group, the moment it came
+        led = t.ledger
+        assert led.generators.totals == [3, 4, 5] and led.issued == 5 and led.received == 5
+        assert led.stale == 1  # the stale one counts as stale, not as dynamic sampling's
+        assert led.dynamic.row() == {"dynamic_dropped": 2, "dynamic_dropped_total": 2,
+                                     "dynamic_capped": False}
+    with built_trainer(random_model_dir, cfg.replace(dynamic_sampling=False),
+                       groups=queued[:2], step=3) as off:
+        assert _collect(off) == ["flat1", "mixed1"] and off.ledger.generators.told == []
 
-    off, credits = _collecting(cfg.replace(dynamic_sampling=False), queued[:2])
-    assert _collect(off) == ["flat1", "mixed1"] and credits == []
 
-
-def test_llm_collection_stops_dropping_at_the_cap_and_says_so() -> None:
+def test_llm_collection_stops_dropping_at_the_cap_and_says_so(random_model_dir) -> None:
     """A task solved (or hopeless) for the policy: every group is flat. Past
     ``DYNAMIC_DROP_CAP × prompts_per_step`` drops the step takes what comes, flat or not."""
     cap = DYNAMIC_DROP_CAP * 1
     queued = [_fake(f"flat{i}", [1.0, 1.0]) for i in range(cap + 1)]
     cfg = LLMConfig(prompts_per_step=1, group_size=2, dynamic_sampling=True)
-    t, credits = _collecting(cfg, queued)
-    assert _collect(t) == [f"flat{cap}"]
-    assert credits == [2, 3, 4] and t.dynamic.row() == {
-        "dynamic_dropped": cap, "dynamic_dropped_total": cap, "dynamic_capped": True}
-    for g in (_fake("flat", [0.0, 0.0]), _fake("mixed", [0.0, 1.0])):
-        t.port.send(g)
-    assert _collect(t) == ["mixed"]  # the next step counts afresh: it drops again
-    assert credits[3:] == [5] and t.dynamic.row() == {
-        "dynamic_dropped": 1, "dynamic_dropped_total": cap + 1, "dynamic_capped": False}
+    with built_trainer(random_model_dir, cfg, groups=queued, step=3) as t:
+        credits = t.ledger.generators
+        assert _collect(t) == [f"flat{cap}"]
+        assert credits.totals == [2, 3, 4] and t.ledger.dynamic.row() == {
+            "dynamic_dropped": cap, "dynamic_dropped_total": cap, "dynamic_capped": True}
+        for g in (_fake("flat", [0.0, 0.0]), _fake("mixed", [0.0, 1.0])):
+            t.port.send(g)
+        assert _collect(t) == ["mixed"]  # the next step counts afresh: it drops again
+        assert credits.totals[3:] == [5] and t.ledger.dynamic.row() == {
+            "dynamic_dropped": 1, "dynamic_dropped_total": cap + 1, "dynamic_capped": False}
 
 
-def test_llm_step_rows_count_the_dropped_and_train_on_no_equal_reward_group() -> None:
+def test_llm_step_rows_count_the_dropped_and_train_on_no_equal_reward_group(
+        random_model_dir) -> None:
     """The trainer's loop with the torch step, syncs and evaluations stubbed out."""
     from grpo_nb import grpo
 
@@ -100,9 +84,6 @@ def test_llm_step_rows_count_the_dropped_and_train_on_no_equal_reward_group() ->
     groups = [Group(i, "q", "7", [1], [Rollout([1], [5], [-1.0], "", "stop", reward=r,
                                                token_versions=[0]) for r in rewards],
                     0, t_submit=0.0, t_done=0.0) for i, rewards in enumerate(plan)]
-    t, credits = _collecting(cfg, groups)
-    rows: list[dict[str, Any]] = []
-    t.report = lambda kind, **data: rows.append(data) if kind == "step" else None
 
     def step(batch: list[Group]) -> dict[str, Any]:
         t.pt.step_count += 1
@@ -112,10 +93,11 @@ def test_llm_step_rows_count_the_dropped_and_train_on_no_equal_reward_group() ->
     async def nothing(*_: Any, **__: Any) -> None:
         return None
 
-    t.pt = SimpleNamespace(step_count=0, version=0, skipped=0, step=step)
-    t._sync = t._eval = t._finish = nothing
-    t.busy, t.next_timed = SimpleNamespace(add=lambda *_: None), None
-    asyncio.run(asyncio.wait_for(t._train(t.credits), 10.0))
+    with built_trainer(random_model_dir, cfg, groups=groups) as t:
+        t.pt.step = step
+        t.learner.sync = t.learner.evaluate = t._finish = nothing
+        asyncio.run(asyncio.wait_for(t._train(t.ledger.generators), 10.0))
+        rows = [r for r in t.rows if r["kind"] == "step"]
     assert [(r["zero_std_groups"], r["dynamic_dropped"], r["dynamic_dropped_total"],
              r["dynamic_capped"]) for r in rows] == [(0, 1, 1, False), (0, 2, 3, False)]
 
@@ -271,11 +253,11 @@ def test_filter_masks_the_truncated_rows_out_of_the_loss_only() -> None:
 ])
 def test_overlong_settings_are_validated_by_name(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        LLMConfig(**changes)
+        LLMConfig(**changes).resolve()  # a buffer resolved from max_tokens is checked too
 
 
 def test_soft_resolves_its_buffer_from_max_tokens() -> None:
-    cfg = LLMConfig(overlong="soft", max_tokens=16)
+    cfg = LLMConfig(overlong="soft", max_tokens=16).resolve()
     assert cfg.overlong_buffer == 4 and "overlong_buffer" in cfg.defaults
     assert cfg.replace(max_tokens=40).overlong_buffer == 10
     assert cfg.replace(overlong="zero").overlong_buffer is None

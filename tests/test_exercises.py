@@ -3,7 +3,7 @@ answer fails it, a right answer passes.
 
 The checker is the notebook's own cell (found by its id) executed against a namespace that
 holds what the notebook would have computed by then, built by hand: metric rows, completions,
-groups, and stand-ins for the server (04's FakeVLLM, 05's served weight version).
+groups, and the tests' fake vLLM server (fake_vllm.py) where a cell talks to a server.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import nbformat
 import pytest
 import torch
+from fake_vllm import FakeVLLM, Sample
 
 from grpo_nb import actors, tasks
 from grpo_nb.actors import Actor, Channel, concurrent_endpoint, endpoint
@@ -35,10 +36,10 @@ from grpo_nb.llm import by_hand, rollouts
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Prompt
 from grpo_nb.metrics import MetricsRecorder
-from grpo_nb.serving.client import ClientConfig
+from grpo_nb.serving.client import ClientConfig, CompletionsClient
 from grpo_nb.toy.run import run_ring, summarize
 from grpo_nb.toy.task import ToyConfig
-from grpo_nb.weight_sync import client as weight_sync_client
+from grpo_nb.weight_sync.client import VLLMControlClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -60,92 +61,42 @@ def passes(notebook: str, checker_id: str, namespace: dict[str, Any]) -> bool:
 
 
 # ── 04 · Exercises 1–3: temperature and mixed groups; a format bonus; aborted requests ──
-# The checkers and the solutions run unchanged against FakeVLLM, which stands in for the server,
-# its completions client and its control client.
+# The checkers and the solutions run unchanged against the tests' fake server (fake_vllm.py),
+# through the package's own completions and control clients.
 
 NB04 = "04_vllm_rollouts.ipynb"
 ROWS_04 = [(f"00{k}+001=", f"000{k + 1}") for k in range(5)]
 
 
-class FakeVLLM:
+def section4_samples(prompt: list[int], params: dict[str, Any]) -> list[Sample]:
     """Section 4's server by hand. At T < 1 a group's samples agree (right for the first prompt
     only); at T ≥ 1 they differ: right, a bare wrong number, two badly shaped. Every token's
-    log-prob is the stand-in model's at T, ``-0.3 * T``. A request decodes for ``decode_s``;
-    ``pause("abort")`` ends those decoding, and requests sent while paused wait for
-    ``resume()``, as vLLM's do."""
+    log-prob is the stand-in model's at T, ``-0.3 * T``."""
+    t, n, k = float(params.get("temperature", 1.0)), int(params.get("n", 1)), prompt[-1]
+    if t < 1:
+        texts = [ROWS_04[k][1] if k == 0 else "7"] * n
+    else:
+        texts = [[ROWS_04[k][1], "7", "no", "12 13"][i % 4] for i in range(n)]
+    ends = "length" if params.get("ignore_eos") else "stop"
+    return [Sample(text, [5, 6], [-0.3 * t] * 2, ends) for text in texts]
 
-    url, api_key = "http://127.0.0.1:8000", None
 
-    def __init__(self, decode_s: float = 0.0) -> None:
-        self.decode_s = decode_s
-        self.decoding: list[asyncio.Future[str]] = []
-        self.paused = False
-        self.waited = 0  # wait_running calls
-
-    async def __aenter__(self) -> FakeVLLM:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-    async def complete(self, prompt_ids: list[int], *, temperature: float = 1.0, n: int = 1,
-                       ignore_eos: bool = False, **_: Any) -> list[SimpleNamespace]:
-        while self.paused:
-            await asyncio.sleep(0.005)
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[str] = loop.create_future()
-        ends = "length" if ignore_eos else "stop"
-        timer = loop.call_later(self.decode_s, lambda: done.done() or done.set_result(ends))
-        self.decoding.append(done)
-        try:
-            reason = await done
-        finally:
-            self.decoding.remove(done)
-            timer.cancel()
-        k = prompt_ids[-1]
-        if temperature < 1:
-            texts = [ROWS_04[k][1] if k == 0 else "7"] * n
-        else:
-            texts = [[ROWS_04[k][1], "7", "no", "12 13"][i % 4] for i in range(n)]
-        return [SimpleNamespace(text=t, token_ids=[5, 6], logprobs=[-0.3 * temperature] * 2,
-                                finish_reason=reason, latency_s=self.decode_s, versions=None)
-                for t in texts]
-
-    generate = complete  # the sampler's route: the same completions, no version labels
-
-    def wait_running(self, at_least: int = 1, timeout: float = 10.0) -> bool:
-        self.waited += 1
-        deadline = time.monotonic() + timeout
-        while len(self.decoding) < at_least:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
-
-    def pause(self, mode: str = "keep") -> None:
-        self.paused = True
-        for done in self.decoding if mode == "abort" else []:
-            if not done.done():
-                done.set_result("abort")
-
-    def resume(self) -> None:
-        self.paused = False
-
-    def is_paused(self) -> bool:
-        return self.paused
+def section4_server(decode_s: float = 0.0, burst: int = 1) -> FakeVLLM:
+    """The fake server answering as section 4's; each request decodes for ``decode_s``."""
+    return FakeVLLM(sampler=section4_samples, decode_s=decode_s, burst=burst)
 
 
 def namespace_04(fake: FakeVLLM) -> dict[str, Any]:
-    """Notebook 04 at its exercises, with ``fake`` as its server, client and control client."""
+    """Notebook 04 at its exercises, with ``fake`` as its server."""
     cfg = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="arithmetic", group_size=4)  # not loaded
     return {"exercises": exercises, "rollouts": rollouts, "tasks": tasks, "Group": Group,
             "prompts": [Prompt(p, [1, k], a) for k, (p, a) in enumerate(ROWS_04)],
             "group_size": cfg.group_size, "cfg": cfg, "score": tasks.make_reward("math"),
-            "server": fake, "client": fake, "prompt_ids": [1, 0], "ClientConfig": ClientConfig,
-            "CompletionsClient": SimpleNamespace(for_server=lambda server, cfg=None: fake),
-            "VLLMControlClient": lambda url, api_key=None: fake,
+            "server": fake, "client": CompletionsClient.for_server(fake), "prompt_ids": [1, 0],
+            "ClientConfig": ClientConfig, "CompletionsClient": CompletionsClient,
+            "VLLMControlClient": VLLMControlClient,
             "temperature_gap": lambda samples, t: max(abs(x + 0.3 * t) for *_, lp in samples
-                                                      for x in lp)}  # section 5's, for FakeVLLM
+                                                      for x in lp)}  # section 5's, for the fake
 
 
 async def at_exercise_04(stub: str, checker: str, fake: FakeVLLM) -> dict[str, Any]:
@@ -171,8 +122,9 @@ def judge_04(exercise: str, cells: tuple[str, str], checker: str, name: str,
     """Run 04 on a fake server up to ``cells``, then judge ``name`` and its wrong ``edits``."""
 
     async def scenario() -> None:
-        ns = await at_exercise_04(*cells, FakeVLLM())
-        await judge(exercise, ns[checker], ns, name, variants(exercise, ns, name, edits))
+        with section4_server() as fake:
+            ns = await at_exercise_04(*cells, fake)
+            await judge(exercise, ns[checker], ns, name, variants(exercise, ns, name, edits))
 
     asyncio.run(scenario())
 
@@ -192,7 +144,11 @@ def test_04_ex2_format_bonus(learning_mode: None) -> None:
     answer in any spelling fails, so does one that earns nothing; any paid wrong answer passes."""
 
     async def scenario() -> None:
-        ns = await at_exercise_04("abd6c76d", "b83d5f16", FakeVLLM())
+        with section4_server() as fake:
+            ns = await at_exercise_04("abd6c76d", "b83d5f16", fake)
+            await judge_bonus(ns)
+
+    async def judge_bonus(ns: dict[str, Any]) -> None:
         checker = ns["bonus_problems"]
         groups, exploit = (solution("04_ex2", ns, n) for n in ("bonus_groups", "never_right"))
         assert not await verdict("04_ex2", checker, groups), "the stub never_right passes"
@@ -230,11 +186,16 @@ def test_04_ex2_format_bonus(learning_mode: None) -> None:
 
 def test_04_ex3_abort_requests_in_flight(learning_mode: None) -> None:
     async def scenario() -> None:
-        fake = FakeVLLM(decode_s=0.2)
-        ns = await at_exercise_04("8f504de9", "e4bb2efe", fake)
+        # burst=8: the gauge shows the exercise's 8 requests once all decode, as a server
+        # that got them in one burst would (a request written after the pause would wait for
+        # a resume that comes after it)
+        with section4_server(decode_s=2.0, burst=8) as fake:
+            await judge_abort(fake, await at_exercise_04("8f504de9", "e4bb2efe", fake))
+
+    async def judge_abort(fake: FakeVLLM, ns: dict[str, Any]) -> None:
         wait = "await asyncio.to_thread(control.wait_running)"
         wrong = variants("04_ex3", ns, "count_aborted", {
-            "a fixed sleep, longer than the requests": (wait, "await asyncio.sleep(0.5)"),
+            "a fixed sleep, longer than the requests": (wait, "await asyncio.sleep(6.0)"),
             "paused before the requests reach the server":
                 (f'{wait}\n        control.pause("abort")',
                  'control.pause("abort")\n        control.resume()'),
@@ -242,14 +203,14 @@ def test_04_ex3_abort_requests_in_flight(learning_mode: None) -> None:
         })
         await judge("04_ex3", ns["abort_problems"], ns, "count_aborted", wrong)
         assert not fake.paused, "the checker resumes a server an answer left paused"
-        fake.waited = 0
+        fake.requests.clear()
         assert await solution("04_ex3", ns, "count_aborted")(8) == (8, 0)
-        assert fake.waited == 1, "the solution waits on the server's gauge (wait_running)"
+        assert "/metrics" in fake.calls, "the solution waits on the server's gauge (wait_running)"
 
     asyncio.run(scenario())
 
 
-# ── 05 · Exercises 1–3: the masked token loss, a staleness budget of zero, an aborting sync ──
+# ── 05 · Exercises 1, 3 and 4: the masked token loss, a staleness budget of zero, an aborting sync ──
 
 NB05 = "05_async_grpo.ipynb"
 
@@ -272,19 +233,19 @@ def test_05_ex1_token_loss(learning_mode: None) -> None:
                       {"a mean per sample first": per_sample_mean, "no mask": no_mask}))
 
 
-def test_05_ex2_stale0_config(learning_mode: None) -> None:
+def test_05_ex3_stale0_config(learning_mode: None) -> None:
     async def scenario() -> None:
         ns = {"cfg": preset(LLMConfig).replace(dtype="float32")}  # as the notebook's cfg
         with contextlib.redirect_stdout(io.StringIO()):
             ns = await run_cells(NB05, ["29ba6a79", "af63411e"], ns)
-        await judge("05_ex2", ns["stale0_problems"], ns, "stale0_config", {
+        await judge("05_ex3", ns["stale0_problems"], ns, "stale0_config", {
             "max_staleness=1": lambda c: c.replace(max_staleness=1, steps=10),
             "sync mode": lambda c: c.replace(mode="sync", max_staleness=0, steps=10),
             "the whole run": lambda c: c.replace(max_staleness=0),
             "another knob changed": lambda c: c.replace(max_staleness=0, steps=10, max_ahead=0),
             "not a config": lambda c: {"max_staleness": 0, "steps": 10},
         })
-        assert await verdict("05_ex2", ns["stale0_problems"],  # another right answer
+        assert await verdict("05_ex3", ns["stale0_problems"],  # another right answer
                              lambda c: c.replace(max_staleness=0, steps=3, mode="async"))
 
     asyncio.run(scenario())
@@ -295,42 +256,24 @@ def completion(finish_reason: str, tokens: int) -> SimpleNamespace:
                            logprobs=[-1.0] * tokens)
 
 
-def fake_server_05(served: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Exercise 3's checker namespace: the served weight version is the only server fact, and
-    the control client the checker imports reads it."""
-
-    class FakeControl:
-        def __init__(self, url: str, api_key: str | None = None) -> None:
-            assert url == "http://127.0.0.1:8000"
-
-        def set_weight_version(self, version: str) -> None:
-            served["version"] = version
-
-        def weight_version(self) -> str | None:
-            return served["version"]
-
-    monkeypatch.setattr(weight_sync_client, "VLLMControlClient", FakeControl)
-    return {"server": SimpleNamespace(url="http://127.0.0.1:8000", api_key=None)}
-
-
-def test_05_ex3_sync_aborts_requests_in_flight(learning_mode: None,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server's label starts at "1" (section 4's sync): the checker must not trust it."""
-    served = {"version": "1"}
+def test_05_ex4_sync_aborts_requests_in_flight(learning_mode: None, fake_vllm: FakeVLLM) -> None:
+    """The server's label starts at "1" (section 4's sync): the checker must not trust it.
+    Exercise 4's checker reads only the served weight version (through its control client)."""
+    fake_vllm.weight_version = "1"
 
     def answer(outs: list, syncs: bool) -> Callable[[], Any]:
         async def aborted_completions() -> list:
             if syncs:
-                served["version"] = "1"
+                fake_vllm.weight_version = "1"
             return outs
 
         return aborted_completions
 
     async def scenario() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
-            ns = await run_cells(NB05, ["fd8d7eba", "7d43909b"], fake_server_05(served, monkeypatch))
+            ns = await run_cells(NB05, ["fd8d7eba", "7d43909b"], {"server": fake_vllm})
         checker = ns["abort_problems"]
-        assert not await verdict("05_ex3", checker, ns["aborted_completions"]), "the stub"
+        assert not await verdict("05_ex4", checker, ns["aborted_completions"]), "the stub"
         cut = [completion("abort", n) for n in (12, 12, 13, 13, 13, 14)]
         outs = [*cut, completion("length", 200), completion("length", 200)]
         for name, wrong in [
@@ -342,11 +285,11 @@ def test_05_ex3_sync_aborts_requests_in_flight(learning_mode: None,
             ("a completion kept twice", answer(cut + cut, True)),
             ("a plain function, not async", lambda: cut),
         ]:
-            assert not await verdict("05_ex3", checker, wrong), name
-        assert await verdict("05_ex3", checker, answer(cut, True)), "right"
+            assert not await verdict("05_ex4", checker, wrong), name
+        assert await verdict("05_ex4", checker, answer(cut, True)), "right"
         # the solution needs a live server: make nbtest runs it through this checker
         # (GRPO_NB_SOLUTIONS=1); here, that it defines the coroutine function the checker awaits
-        assert inspect.iscoroutinefunction(solution("05_ex3", {}, "aborted_completions"))
+        assert inspect.iscoroutinefunction(solution("05_ex4", {}, "aborted_completions"))
 
     asyncio.run(scenario())
 
@@ -708,36 +651,56 @@ def test_ci_mode_runs_the_solution_and_fails_loudly(tmp_path: Path,
     assert out.getvalue().startswith("✗ 03_ex2") and "%load solutions/03_ex2.py" in out.getvalue()
 
 
-# 05 · Exercise 4: the trainer's admission rule and its credits
+# 05 · Exercise 2: the trainer's admission rule and its credits
 NB05_ADMIT = "05_async_grpo.ipynb", ["35c06b92", "92d0efcf"]  # the stub, the checker
 
 
-def test_05_admit_and_credits(learning_mode: None) -> None:
+def test_05_ex2_admit_and_credits(learning_mode: None) -> None:
     """Wrong rules fail (strict bound, staleness the wrong way round, a number for a bool); wrong
     credits fail (received left out, running ahead in sync mode, the current step left out)."""
     async def scenario() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             ns = await run_cells(*NB05_ADMIT, {})
         checker = ns["admission_problems"]
-        assert not await verdict("05_admit", checker, ns["admit"]), "the stub passes"
-        right = solution("05_admit", ns, "admit")
-        ns["issued"] = solution("05_admit", ns, "issued")
+        assert not await verdict("05_ex2", checker, ns["admit"]), "the stub passes"
+        right = solution("05_ex2", ns, "admit")
+        ns["issued"] = solution("05_ex2", ns, "issued")
         for label, wrong in {"<": lambda s, v, m: s - v < m,
                              "wrong way round": lambda s, v, m: v - s <= m,
                              "the staleness": lambda s, v, m: s - v,
                              "one more allowed": lambda s, v, m: s - v <= m + 1}.items():
-            assert not await verdict("05_admit", checker, wrong), f"admit {label} passes"
+            assert not await verdict("05_ex2", checker, wrong), f"admit {label} passes"
         for label, wrong in {
                 "received left out": lambda r, mode, a, p: (1 + a) * p,
                 "ahead in sync mode": lambda r, mode, a, p: r + (1 + a) * p,
                 "this step left out": lambda r, mode, a, p: r + (a if mode == "async" else 1) * p,
         }.items():
             ns["issued"] = wrong
-            assert not await verdict("05_admit", checker, right), f"issued {label} passes"
-        ns["issued"] = solution("05_admit", ns, "issued")
-        assert await verdict("05_admit", checker, right), "the solution fails"
+            assert not await verdict("05_ex2", checker, right), f"issued {label} passes"
+        ns["issued"] = solution("05_ex2", ns, "issued")
+        assert await verdict("05_ex2", checker, right), "the solution fails"
 
     asyncio.run(scenario())
+
+
+def test_05_self_check_names_the_sections_not_run() -> None:
+    """05's self-check with only section 1 run: section 1 is checked, every other section is
+    named with the names it would define (no NameError escapes); a failing check still fails."""
+    source = cell_source(NB05, "d0f33051")
+    ns: dict[str, Any] = {"sync_cfg": SimpleNamespace(pause_mode="none"), "device": "cpu"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(RuntimeError) as err:
+        exec(source, ns)
+    assert "✓ section 1" in out.getvalue(), out.getvalue()
+    message = str(err.value)
+    for where, name in [("section 3 (", "nudged_gap"), ("section 4 (", "fresh_gap"),
+                        ("section 6 (", "res_async"), ("section 7 (", "res_sync"),
+                        ("Exercise 3's run", "res0")]:
+        assert where in message and name in message, (where, message)
+    assert "section 1" not in message, message
+    ns = {"sync_cfg": SimpleNamespace(pause_mode="none"), "device": "cuda:0"}  # wrong: a GPU
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(AssertionError):
+        exec(source, ns)
 
 
 # 06 · Exercise 1: the cost of starting a mesh. A fake Monarch stands in for processes that start

@@ -44,20 +44,7 @@ def _qwen3_defaults(src: str) -> dict[str, Any]:
     return ModelConfig.get_diff_sampling_param(fake)
 
 
-def _bodies(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """The JSON body of each request a CompletionsClient sends (answered by a fake)."""
-    sent: list[dict[str, Any]] = []
-
-    async def post(self: CompletionsClient, body: dict[str, Any], url: str) -> list[Any]:
-        sent.append(body)
-        return [SimpleNamespace(token_ids=[5], logprobs=[-1.0], text="7", finish_reason="stop",
-                                latency_s=0.0, versions=None)] * body["sampling_params"]["n"]
-
-    monkeypatch.setattr(CompletionsClient, "_post_with_retries", post)
-    return sent
-
-
-def test_ring_and_rollout_requests_set_every_sampling_field(monkeypatch) -> None:
+def test_ring_and_rollout_requests_set_every_sampling_field(fake_vllm) -> None:
     """A Qwen3 folder's defaults (top_k 20, top_p 0.95, T 0.6) never reach the sampler: the
     sampler's requests (the ring's and notebook 04's, to /inference/v1/generate) set every
     field a CompletionRequest would take from the folder, and vLLM's GenerateRequest reads them
@@ -69,10 +56,10 @@ def test_ring_and_rollout_requests_set_every_sampling_field(monkeypatch) -> None
     from grpo_nb.llm.data import Prompt
     from grpo_nb.llm.rollouts import sample_group
 
-    sent = _bodies(monkeypatch)
-    client = CompletionsClient("http://127.0.0.1:9/v1", "m")
-    asyncio.run(sample_group(client, Prompt("q", [1, 2], "7"), LLMConfig(temperature=0.7),
+    client = CompletionsClient(fake_vllm.base_url, "m")
+    asyncio.run(sample_group(client, Prompt("q", [1, 2], "7"), LLMConfig(temperature=0.7).resolve(),
                              lambda: 3))
+    sent = fake_vllm.sampled  # the JSON body of each request the client sent
     assert len(sent) == 1  # one request a group
     assert sent[0]["sampling_params"]["n"] == LLMConfig().group_size
     auto = _qwen3_defaults("auto")
@@ -263,16 +250,20 @@ def test_notebook_04_serves_the_tiny_model_in_float32_on_any_device(monkeypatch,
     float32 on a GPU too (dtype "auto" would serve the float32 folder in 16 bits), with a
     KV cache in bytes (section 8 starts a Qwen server on the same GPU)."""
     from grpo_nb.config import preset
+    from grpo_nb.llm.config import LLMConfig
     from grpo_nb.serving.server import ServerConfig
 
     _fake_gpus(monkeypatch, gpus)
     tree = ast.parse(_cell("04_vllm_rollouts.ipynb", "5390bb2f"))
     (assign,) = [s for s in tree.body if isinstance(s, ast.Assign)
                  and [t.id for t in s.targets if isinstance(t, ast.Name)] == ["server_cfg"]]
-    ns: dict[str, Any] = {"dataclasses": dataclasses, "preset": preset,
+    ns: dict[str, Any] = {"dataclasses": dataclasses, "preset": preset, "LLMConfig": LLMConfig,
                           "ServerConfig": ServerConfig, "model_dir": Path("/m")}
     exec(compile(ast.Module([assign], []), "04", "exec"), ns)
     cmd = ns["server_cfg"].command(8000, gpu=gpus > 0)
+    # 05's server context (placement): vLLM's compile cache key holds it, so 05 reuses 04's
+    ring = placement.server_config("/m", preset(LLMConfig).replace(dtype="float32"))
+    assert cmd[cmd.index("--max-model-len") + 1] == str(ring.max_model_len), cmd
     assert cmd[cmd.index("--dtype") + 1] == "float32", cmd
     assert int(cmd[cmd.index("--kv-cache-memory-bytes") + 1]) <= 64 << 20
 

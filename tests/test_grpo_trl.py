@@ -14,11 +14,10 @@ Two layers:
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from types import SimpleNamespace
 
 import pytest
 import torch
+from trl_stub import trl_loss
 
 from grpo_nb.grpo import group_advantages, policy_loss, token_logprobs
 
@@ -103,49 +102,6 @@ def test_matches_trl_documented_formulas(loss_type):
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
-def _trl_loss(logp, old, ref, mask, adv, loss_type, is_ratio=None):
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    b, t = logp.shape
-    stub = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        aux_loss_enabled=False,
-        top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
-        importance_sampling_level="token",
-        beta=BETA,
-        loss_type=loss_type,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None),
-        epsilon_low=EPS_LOW,
-        epsilon_high=EPS_HIGH,
-        max_completion_length=t,
-        use_vllm=is_ratio is not None,
-        vllm_importance_sampling_correction=is_ratio is not None,
-        model=SimpleNamespace(training=False),
-        current_gradient_accumulation_steps=1,
-        _entropy_bonus_enabled=False,
-        _metrics=defaultdict(lambda: defaultdict(list)),
-        accelerator=SimpleNamespace(
-            reduce=lambda x, reduction: x,
-            gather=lambda x: x,
-            gather_for_metrics=lambda x: x,
-            num_processes=1,
-        ),
-    )
-    inputs = {
-        "prompt_ids": torch.zeros(b, 1, dtype=torch.long),
-        "prompt_mask": torch.ones(b, 1),
-        "completion_ids": torch.zeros(b, t, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "old_per_token_logps": old,
-        "ref_per_token_logps": ref,
-    }
-    if is_ratio is not None:
-        inputs["importance_sampling_ratio"] = is_ratio
-    return GRPOTrainer._compute_loss(stub, None, inputs), stub._metrics["eval"]
-
-
 @pytest.mark.parametrize("loss_type", list(TRL_AGG))
 @pytest.mark.parametrize("tis", [False, True])
 def test_matches_trl_code(loss_type, tis):
@@ -161,7 +117,9 @@ def test_matches_trl_code(loss_type, tis):
     ours, metrics = _our_loss(ours_lp, old, ref, mask, adv, loss_type, **tis_kw)
     ours.backward()
     trl_lp = logp.clone().requires_grad_()
-    theirs, trl_metrics = _trl_loss(trl_lp, old, ref, mask, adv, loss_type, is_ratio)
+    theirs, trl_metrics = trl_loss(trl_lp, old, ref, mask, adv, loss_type=loss_type,
+                                   eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA,
+                                   is_ratio=is_ratio)
     theirs.backward()
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
     torch.testing.assert_close(ours_lp.grad, trl_lp.grad, rtol=1e-5, atol=1e-7)

@@ -7,12 +7,9 @@ Value, gradient and the metrics TRL logs, on the same tensors, through a stub tr
 
 from __future__ import annotations
 
-from collections import defaultdict
-from types import SimpleNamespace
-from typing import Any
-
 import pytest
 import torch
+from trl_stub import trl_loss
 
 from grpo_nb.grpo import LOSS_TYPES, group_advantages, policy_loss
 
@@ -41,55 +38,6 @@ def _batch(seed: int, level: str, b: int = 12, t: int = 7):
     return logp, old, ref, sampler, mask, group_advantages(rewards, 3, eps=1e-4)
 
 
-def _trl(logp, old, ref, mask, adv, *, loss_type: str, level: str = "token",
-         opm: float | None = None, delta: float | None = None, sapo=(1.0, 1.05),
-         sampler=None, is_ratio=None) -> tuple[torch.Tensor, dict[str, list[float]]]:
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    b, t = logp.shape
-    stub = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
-        aux_loss_enabled=False,
-        top_entropy_quantile=1.0,
-        off_policy_mask_threshold=opm,
-        importance_sampling_level=level,
-        beta=BETA,
-        loss_type=loss_type,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=1,
-                             sapo_temperature_pos=sapo[0], sapo_temperature_neg=sapo[1]),
-        epsilon_low=EPS_LOW,
-        epsilon_high=EPS_HIGH.get(loss_type, DEFAULT_EPS_HIGH),
-        max_completion_length=t,
-        use_vllm=is_ratio is not None,
-        vllm_importance_sampling_correction=is_ratio is not None,
-        model=SimpleNamespace(training=False),
-        current_gradient_accumulation_steps=1,
-        _entropy_bonus_enabled=False,
-        _metrics=defaultdict(lambda: defaultdict(list)),
-        accelerator=SimpleNamespace(
-            reduce=lambda x, reduction: x,
-            gather=lambda x: x,
-            gather_for_metrics=lambda x: x,
-            num_processes=1,
-        ),
-    )
-    inputs: dict[str, Any] = {
-        "prompt_ids": torch.zeros(b, 1, dtype=torch.long),
-        "prompt_mask": torch.ones(b, 1),
-        "completion_ids": torch.zeros(b, t, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "old_per_token_logps": old,
-        "ref_per_token_logps": ref,
-        "num_items_in_batch": mask.sum(),  # dapo / cispo: the accumulated batch's tokens
-    }
-    if sampler is not None:
-        inputs["sampling_per_token_logps"] = sampler
-        inputs["importance_sampling_ratio"] = is_ratio
-    return GRPOTrainer._compute_loss(stub, None, inputs), stub._metrics["eval"]
-
-
 def _compare(seed: int, loss_type: str, level: str = "token", *, opm: float | None = None,
              delta: float | None = None, sapo=(1.0, 1.05), tis: bool = False):
     """Ours and TRL's loss, gradient and metrics on one batch; returns our metrics."""
@@ -106,9 +54,11 @@ def _compare(seed: int, loss_type: str, level: str = "token", *, opm: float | No
                                          if tis else {}))
     ours.backward()
     trl_lp = logp.clone().requires_grad_()
-    theirs, trl_metrics = _trl(trl_lp, old, ref, mask, adv, loss_type=loss_type, level=level,
-                               opm=opm, delta=delta, sapo=sapo,
-                               sampler=sampler if tis else None, is_ratio=is_ratio)
+    theirs, trl_metrics = trl_loss(trl_lp, old, ref, mask, adv, loss_type=loss_type,
+                                   eps_low=EPS_LOW,
+                                   eps_high=EPS_HIGH.get(loss_type, DEFAULT_EPS_HIGH), beta=BETA,
+                                   level=level, opm=opm, delta=delta, sapo=sapo,
+                                   sampler=sampler if tis else None, is_ratio=is_ratio)
     theirs.backward()
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(ours_lp.grad, trl_lp.grad, rtol=1e-5, atol=1e-7)

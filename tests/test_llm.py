@@ -60,31 +60,24 @@ def test_staleness_at_the_limit_of_the_sync_interval_is_accepted() -> None:
     assert LLMConfig(ratio_against="trainer", tis_cap=2.0).tis_cap == 2.0
 
 
-def test_admission_keeps_groups_up_to_max_staleness_and_replaces_the_dropped() -> None:
+def test_admission_keeps_groups_up_to_max_staleness_and_replaces_the_dropped(
+        random_model_dir) -> None:
     """``admit`` is the rule; the trainer drops an older group (counted) and issues one more
     credit in its place, so the step still gets its groups."""
     from types import SimpleNamespace
 
-    from grpo_nb.actors import Channel
-    from grpo_nb.llm.actors import Trainer, admit
+    from llm_trainer import built_trainer
+
+    from grpo_nb.llm.actors import admit
 
     assert admit(5, 3, 2) and admit(5, 5, 0) and not admit(5, 2, 2)
-
-    async def main() -> tuple[list[int], int, int, list[str]]:
-        t = object.__new__(Trainer)
-        port, t.inbox = Channel.open()
-        t.cfg = LLMConfig(prompts_per_step=2, max_staleness=1)
-        t.stopping, t.next_msg, t.deadline = asyncio.Event(), None, None
-        t.pt, t.received, t.dropped, t.issued = SimpleNamespace(step_count=3, version=3), 0, 0, 2
-        reported: list[str] = []
-        t.report = lambda kind, **_: reported.append(kind)
-        credits = SimpleNamespace(progress=SimpleNamespace(broadcast=lambda v, n: None))
-        for version in (2, 1, 3):  # 1 is two versions old: dropped
-            port.send(SimpleNamespace(policy_version=version))
-        groups = await asyncio.wait_for(t._collect(credits), 5.0)
-        return [g.policy_version for g in groups], t.dropped, t.issued, reported
-
-    assert asyncio.run(main()) == ([2, 3], 1, 3, ["dropped"])
+    queued = [SimpleNamespace(policy_version=v, rewards=[0.0, 1.0]) for v in (2, 1, 3)]
+    cfg = LLMConfig(prompts_per_step=2, max_staleness=1)  # at step 3, version 1 is too old
+    with built_trainer(random_model_dir, cfg, groups=queued, step=3, issued=2) as t:
+        groups = asyncio.run(asyncio.wait_for(t.collect(2, t.keep), 5.0))
+        assert [g.policy_version for g in groups] == [2, 3]
+        assert (t.ledger.stale, t.ledger.issued, t.ledger.generators.told) == (1, 3, [(3, 3)])
+        assert [r["kind"] for r in t.rows] == ["dropped"]
 
 
 def test_scorer_sets_rewards_then_advantages_at_the_configured_scale() -> None:
@@ -124,7 +117,7 @@ def test_generators_salt_each_request_with_its_policy_version() -> None:
     from grpo_nb.llm.rollouts import sampling_request
     from grpo_nb.serving.client import policy_salt
 
-    cfg = LLMConfig()
+    cfg = LLMConfig().resolve()
     assert cfg.sync.pause_mode == "none"  # the ring's default: such syncs happen
     v3, v4 = sampling_request(cfg, 3), sampling_request(cfg, 4)
     assert v3["cache_salt"] == policy_salt(3) != v4["cache_salt"] == policy_salt(4)
@@ -421,26 +414,22 @@ def test_error_explained_by_a_server_that_dies_within_the_grace() -> None:
         proc.wait()
 
 
-def test_time_budget_is_honoured_while_waiting_for_admission() -> None:
+def test_time_budget_is_honoured_while_waiting_for_admission(random_model_dir) -> None:
     """A trainer waiting for groups (say, all dropped as stale) still stops at the budget,
     and keeps the pending receive for the shutdown (nothing it brings is lost)."""
-    from grpo_nb.actors import Channel
-    from grpo_nb.llm.actors import Trainer
+    from llm_trainer import built_trainer
 
-    async def main() -> float:
-        trainer = object.__new__(Trainer)  # only the admission state, no model or server
-        port, trainer.inbox = Channel.open()
-        trainer.cfg, trainer.stopping, trainer.next_msg = LLMConfig(), asyncio.Event(), None
-        trainer.deadline = time.time() + 0.3
+    async def main(t) -> float:
         start = time.monotonic()
-        got = await asyncio.wait_for(trainer._collect(None), 5.0)
+        got = await asyncio.wait_for(t.collect(2, t.keep, deadline=time.time() + 0.3), 5.0)
         waited = time.monotonic() - start
-        assert got is None and trainer.next_msg is not None
-        port.send("late group")
-        assert await trainer.next_msg == "late group"
+        assert got is None and t.next_msg is not None
+        t.port.send("late group")
+        assert await t.next_msg == "late group"
         return waited
 
-    assert 0.25 < asyncio.run(main()) < 2.0
+    with built_trainer(random_model_dir, LLMConfig()) as trainer:
+        assert 0.25 < asyncio.run(main(trainer)) < 5.0  # a hang guard above the budget
 
 
 def test_stop_must_be_an_asyncio_event() -> None:
@@ -599,3 +588,29 @@ def test_stop_event_ends_the_run_early_on_verified_weights(ring_server, tiny_mod
     assert 1 <= r.steps <= 2 and r.weights_verified, r
     state = json.loads((tmp_path / "stop" / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == r.steps
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_train_on_an_unpinned_plan_puts_back_the_torch_threads(ring_server, tiny_model_dir,
+                                                               tmp_path, monkeypatch) -> None:
+    """A notebook kernel keeps its torch threads (and generator) after ``train()``, and the
+    logged plan states the threads the trainer ran with."""
+    from grpo_nb.llm.run import train
+    from grpo_nb.metrics import load_metrics
+
+    monkeypatch.setenv("GRPO_NB_RUNS", str(tmp_path))
+    monkeypatch.setattr(ring_server, "cpus", None)  # the plan: off, nothing pinned
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # not the trainer's (trainer_threads=1)
+    rng = torch.random.get_rng_state()
+    try:
+        cfg = LLMConfig(**{**SMALL, "steps": 1, "eval_every": 1}, trainer_threads=1)
+        r = asyncio.run(train(cfg, model_dir=tiny_model_dir, name="threads", server=ring_server,
+                              smoke=True, progress=False))
+        assert r.steps == 1 and torch.get_num_threads() == 3
+        assert torch.equal(torch.random.get_rng_state(), rng)
+    finally:
+        torch.set_num_threads(before)
+    (plan,) = load_metrics(tmp_path / "threads").rows("partition")
+    assert not plan["active"] and plan["plan"].endswith("trainer with 1 torch thread(s)"), plan

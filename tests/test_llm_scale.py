@@ -20,12 +20,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fake_vllm import FakeVLLM, Sample
 
 from grpo_nb.llm import placement
 from grpo_nb.llm.cli import apply_sets, parse_config
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Prompt, load_data
 from grpo_nb.llm.rollouts import greedy_accuracy
+from grpo_nb.serving.client import CompletionsClient
 from grpo_nb.serving.processes import owned_by
 from grpo_nb.tasks import make_reward
 
@@ -69,16 +71,16 @@ def test_bad_model_data_placement_fields_name_the_field(changes: dict, field: st
 def test_cuda_only_settings_are_rejected_on_cpu(monkeypatch) -> None:
     monkeypatch.setattr(placement, "cuda_available", lambda: False)
     with pytest.raises(ValueError, match=r"LLMConfig\.device='cuda'"):
-        LLMConfig(device="cuda")
+        LLMConfig(device="cuda").resolve()
     with pytest.raises(ValueError, match=r"LLMConfig\.sync\.transport='nccl'"):
-        LLMConfig(sync={"transport": "nccl"})
+        LLMConfig(sync={"transport": "nccl"}).resolve()
 
 
 def test_max_tokens_follows_the_dataset_unless_set(realistic) -> None:
-    assert LLMConfig().max_tokens == 8
-    math_cfg = LLMConfig.smoke().replace(dataset=realistic.data)
+    assert LLMConfig().resolve().max_tokens == 8
+    math_cfg = LLMConfig.smoke().resolve().replace(dataset=realistic.data)
     assert math_cfg.max_tokens == 256
-    assert LLMConfig(max_tokens=40).replace(dataset=realistic.data).max_tokens == 40
+    assert LLMConfig(max_tokens=40).resolve().replace(dataset=realistic.data).max_tokens == 40
 
 
 def test_set_reads_each_field_by_its_type_and_names_bad_ones() -> None:
@@ -119,7 +121,10 @@ def test_device_derives_dtype_transport_tolerance_and_server(monkeypatch, realis
                                    ).kv_cache_bytes == 80 << 20
     # CUDA (faked): bf16, ipc on a shared GPU / nccl with two, bf16's looser tolerance.
     monkeypatch.setattr(placement, "cuda_available", lambda: True)
-    for gpus, transport, gmu, dev in [(1, "ipc", 0.35, "cuda:0"), (2, "nccl", 0.85, "cuda:1")]:
+    monkeypatch.setattr(placement, "gpu_total_bytes", lambda: 80 * 10**9)
+    shared = placement.shared_gpu_fraction(placement.model_shape(realistic.model), cfg)
+    assert 0 < shared < 0.85  # its computed need (tests/test_gpu_placement.py)
+    for gpus, transport, gmu, dev in [(1, "ipc", shared, "cuda:0"), (2, "nccl", 0.85, "cuda:1")]:
         monkeypatch.setattr(placement, "gpu_count", lambda n=gpus: n)
         assert placement.dtype_of(cfg) == "bfloat16" and placement.trainer_device(cfg) == dev
         sync = placement.sync_of(cfg)
@@ -176,16 +181,17 @@ THINKING_TEMPLATE = (
 def test_lr_defaults_to_the_model_family_unless_set(realistic, tiny_model_dir) -> None:
     from grpo_nb.llm.config import PRETRAINED_LR, TINY_LR
 
-    assert LLMConfig().lr == LLMConfig(model=str(tiny_model_dir)).lr == TINY_LR == 3e-4
-    real = LLMConfig(model=realistic.model, dataset=realistic.data)
-    assert real.lr == LLMConfig(model="Qwen/Qwen3-0.6B").lr == PRETRAINED_LR == 1e-6
+    tiny = LLMConfig(model=str(tiny_model_dir)).resolve()
+    assert LLMConfig().resolve().lr == tiny.lr == TINY_LR == 3e-4
+    real = LLMConfig(model=realistic.model, dataset=realistic.data).resolve()
+    assert real.lr == LLMConfig(model="Qwen/Qwen3-0.6B").resolve().lr == PRETRAINED_LR == 1e-6
     assert real.defaults["lr"].startswith("1e-06 (a pretrained model")
-    assert LLMConfig().replace(model=realistic.model).lr == PRETRAINED_LR  # follows the model
+    assert LLMConfig().resolve().replace(model=realistic.model).lr == PRETRAINED_LR  # follows
     assert real.replace(model=None).lr == TINY_LR
-    chosen = LLMConfig(model=realistic.model, lr=1e-5)
+    chosen = LLMConfig(model=realistic.model, lr=1e-5).resolve()
     assert chosen.lr == 1e-5 and "lr" not in chosen.defaults
     assert chosen.replace(model=None).lr == 1e-5  # a chosen value stays chosen
-    resumed = LLMConfig(**real.to_dict())  # config.json of a run: the values, as chosen
+    resumed = LLMConfig(**real.to_dict()).resolve()  # a run's config.json: values, as chosen
     assert resumed == real and resumed.defaults == {}
 
 
@@ -193,20 +199,20 @@ def test_ratio_against_the_trainer_when_the_two_sides_differ_in_precision(monkey
     """bf16 trainer (autocast) and bf16 vLLM round differently: fresh samples have a ratio
     ≠ 1 from rounding alone, so the "old" policy is the trainer's own, with a TIS cap."""
     monkeypatch.setattr(placement, "cuda_available", lambda: False)
-    fp32 = LLMConfig()
+    fp32 = LLMConfig().resolve()
     assert (fp32.ratio_against, fp32.tis_cap) == ("sampler", None)
-    bf16 = LLMConfig(dtype="bfloat16")
+    bf16 = LLMConfig(dtype="bfloat16").resolve()
     assert (bf16.ratio_against, bf16.tis_cap) == ("trainer", 2.0)
     assert bf16.defaults["ratio_against"].startswith("trainer (bfloat16")
     assert (bf16.replace(dtype="float32").ratio_against, bf16.replace(dtype="float32").tis_cap
             ) == ("sampler", None)
-    assert LLMConfig(dtype="bfloat16", tis_cap=3.0).tis_cap == 3.0
-    assert LLMConfig(tis_cap=3.0).ratio_against == "trainer"  # a cap asks for the trainer
-    kept = LLMConfig(dtype="bfloat16", ratio_against="sampler")
+    assert LLMConfig(dtype="bfloat16", tis_cap=3.0).resolve().tis_cap == 3.0
+    assert LLMConfig(tis_cap=3.0).resolve().ratio_against == "trainer"  # a cap asks for it
+    kept = LLMConfig(dtype="bfloat16", ratio_against="sampler").resolve()
     assert (kept.ratio_against, kept.tis_cap) == ("sampler", None)
     monkeypatch.setattr(placement, "cuda_available", lambda: True)  # auto: CUDA → bf16
     monkeypatch.setattr(placement, "gpu_count", lambda: 1)
-    gpu = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k")
+    gpu = LLMConfig(model="Qwen/Qwen3-0.6B", dataset="openai/gsm8k").resolve()
     assert (gpu.lr, gpu.ratio_against, gpu.tis_cap, gpu.max_tokens) == (1e-6, "trainer", 2.0,
                                                                          256)
     assert set(gpu.defaults) == {"lr", "ratio_against", "tis_cap", "max_tokens", "loss_agg"}
@@ -228,7 +234,7 @@ def test_thinking_is_off_when_the_chat_template_knows_enable_thinking(realistic)
     assert prompt_text(tok, row).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     on = {"enable_thinking": True}
     assert prompt_text(tok, row, chat_template_kwargs=on).endswith("<|im_start|>assistant\n")
-    cfg = LLMConfig(model=realistic.model, dataset=realistic.data, test_size=20)
+    cfg = LLMConfig(model=realistic.model, dataset=realistic.data, test_size=20).resolve()
     data = load_data(tok, cfg, smoke=True)
     assert data.template_kwargs == {"enable_thinking": False}
     assert data.prompt_example.endswith("<think>\n\n</think>\n\n")
@@ -267,29 +273,26 @@ def test_rollouts_cli_server_context_holds_the_prompt_and_max_tokens(realistic) 
         load_data(tok, cfg.replace(max_prompt_len=5), smoke=True)
 
 
-class _FakeClient:
-    """Answers a batch of prompts: echoes a scripted (text, finish_reason) per prompt."""
-
-    def __init__(self, script: dict[int, tuple[str, str]]) -> None:
-        self.script, self.calls = script, []
-
-    async def complete(self, prompt_ids, *, max_tokens, temperature, n):
-        self.calls.append((len(prompt_ids), temperature, max_tokens))
-        return [SimpleNamespace(text=self.script[p[0]][0], finish_reason=self.script[p[0]][1],
-                                prompt_token_ids=p) for p in prompt_ids]
+def _scripted_client(fake: FakeVLLM, script: dict[int, tuple[str, str]]) -> CompletionsClient:
+    """A client of ``fake`` whose every prompt ``p`` is answered with ``script[p[0]]``:
+    (text, finish_reason)."""
+    fake.sampler = lambda prompt, params: [Sample(script[prompt[0]][0],
+                                                  finish_reason=script[prompt[0]][1])]
+    return CompletionsClient(fake.base_url, "m")
 
 
-def test_greedy_eval_scores_with_the_answer_check_in_prompt_order() -> None:
+def test_greedy_eval_scores_with_the_answer_check_in_prompt_order(fake_vllm) -> None:
     prompts = [Prompt(f"q{i}", [i], str(i)) for i in range(10)]
     script = {i: (f"The answer is \\boxed{{{i}}}.", "stop") for i in range(10)}
     script[3] = ("The answer is \\boxed{4}.", "stop")  # wrong
     script[5] = ("The answer is \\boxed{5", "length")  # cut at max_tokens: wrong
-    client = _FakeClient(script)
+    client = _scripted_client(fake_vllm, script)
     res = asyncio.run(greedy_accuracy(client, prompts, make_reward("math"), 32, batch=4))
     assert res.accuracy == pytest.approx(0.8) and (res.n, res.truncated) == (10, 1)
-    assert [c[0] for c in client.calls] == [4, 4, 2]
-    assert all(c[1] == 0.0 and c[2] == 32 for c in client.calls)  # greedy, configured length
-    exact = _FakeClient({0: ("0009", "stop"), 1: ("0009 1", "stop")})
+    calls = [(len(b["prompt"]), b["temperature"], b["max_tokens"]) for b in fake_vllm.sampled]
+    assert sorted(c[0] for c in calls) == [2, 4, 4]  # the batches go out side by side
+    assert all(c[1] == 0.0 and c[2] == 32 for c in calls)  # greedy, configured length
+    exact = _scripted_client(fake_vllm, {0: ("0009", "stop"), 1: ("0009 1", "stop")})
     res = asyncio.run(greedy_accuracy(exact, [Prompt("", [0], "9"), Prompt("", [1], "9")],
                                       make_reward("exact"), 8))
     assert res.accuracy == 0.5
@@ -315,21 +318,24 @@ def _wait_for_checkpoint(cli: subprocess.Popen, state: Path, within_s: float = 9
 @pytest.mark.slow
 def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic, tmp_path,
                                                                        monkeypatch) -> None:
-    """The CLI end to end, on a model and data it did not create, with an API key set; two
-    runs, each starting its own server. (1) A long sync run at T = 0.7: its server answers
-    only keyed /v1 requests; SIGKILLed after its first checkpoint, the server's watchdog ends
-    the vLLM tree within 15 s and at most one step is lost. (2) ``--resume`` two more steps:
+    """The CLI end to end, on a model and data it did not create, with an API key set and
+    every proxy variable at a dead port (no NO_PROXY: each loopback call must bypass it, from
+    the start's /health wait on; test_loopback_proxy.py); two runs, each starting its own
+    server. (1) A long sync run at T = 0.7: its server answers only keyed /v1 requests;
+    SIGKILLed after its first checkpoint, the server's watchdog ends the vLLM tree within
+    15 s and at most one step is lost. (2) ``--resume`` two more steps:
     the JSON summary comes last, the weights are verified, the PPO ratio of fresh samples
     is 1 at T = 0.7, prompts use the chat template, every held-out prompt is evaluated, and
     no server is left."""
     import psutil
     from keyed_checks import check_keyed_server
+    from test_loopback_proxy import proxied_env
 
     from grpo_nb.metrics import load_metrics
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)  # the test's own clients start unkeyed
     key = "test-key-" + os.urandom(8).hex()
-    env = {**os.environ, "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1",
+    env = {**proxied_env(dict(os.environ)), "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1",
            "VLLM_API_KEY": key}
     shape = ["--model", realistic.model, "--dataset", realistic.data, "--smoke",
              "--name", "real", "--mode", "sync", "--set", "max_tokens=24", "--set",

@@ -252,7 +252,7 @@ def test_trls_advice_is_a_warning() -> None:
 def test_loss_type_sets_loss_agg_and_set_reads_the_fields() -> None:
     from grpo_nb.llm.cli import apply_sets
 
-    base = LLMConfig()
+    base = LLMConfig().resolve()
     assert base.loss_agg == "token-mean" and "loss_agg" in base.defaults
     grpo = apply_sets(base, ["loss_type=grpo"])
     assert (grpo.loss_type, grpo.loss_agg) == ("grpo", "seq-mean-token-mean")
@@ -265,7 +265,7 @@ def test_loss_type_sets_loss_agg_and_set_reads_the_fields() -> None:
     assert (gspo.importance_sampling_level, gspo.off_policy_mask_threshold, gspo.delta,
             gspo.sapo_temperature_neg) == ("sequence", 0.5, 4.0, 2.0)
     assert apply_sets(gspo, ["delta=none", "off_policy_mask_threshold=null"]).delta is None
-    resumed = LLMConfig(**gspo.to_dict())  # a run's config.json: the values, as chosen
+    resumed = LLMConfig(**gspo.to_dict()).resolve()  # a run's config.json: values, as chosen
     assert resumed == gspo and "loss_agg" not in resumed.defaults
     with pytest.raises(ValueError, match="LLMConfig.loss_agg.*LLMConfig.loss_type"):
         LLMConfig(loss_agg="token-mean").replace(loss_type="grpo")  # a chosen value stays chosen

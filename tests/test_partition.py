@@ -157,8 +157,9 @@ def test_beside_gives_the_trainer_the_cores_the_server_leaves():
 
 def test_llm_ring_pins_this_process_during_the_run_and_restores_it_even_on_error():
     """What :func:`grpo_nb.llm.run.run_ring` wraps the ring in: the trainer's cores (beside
-    the server tree's) and its torch threads during, everything as before after, also when
-    the run raises; no pinning for an unpinned server ("off") or a trainer of its own."""
+    the server tree's) and the trainer's torch threads (``trainer_threads``, stated by the plan)
+    during, everything as before after, also when the run raises; no pinning for an unpinned
+    server ("off") or a trainer of its own, whose plans still state the trainer's threads."""
     from types import SimpleNamespace
 
     import torch
@@ -169,12 +170,13 @@ def test_llm_ring_pins_this_process_during_the_run_and_restores_it_even_on_error
     mine = partition.available_cpus()
     if len(mine) < 2:
         pytest.skip("needs 2 cores")
-    cfg, server = LLMConfig(device="cpu"), SimpleNamespace(cpus=(mine[-1],))
+    cfg, server = LLMConfig(device="cpu", trainer_threads=3), SimpleNamespace(cpus=(mine[-1],))
 
     def run(fail: bool) -> None:
         with trainer_cores(cfg, server, "asyncio") as p:
             assert p.active and partition.available_cpus() == mine[:-1]
-            assert torch.get_num_threads() == len(mine) - 1
+            assert torch.get_num_threads() == p.trainer_threads == 3  # the threads it states
+            assert "with 3 torch thread(s)" in p.describe()
             if fail:
                 raise RuntimeError("the run failed")
 
@@ -192,3 +194,4 @@ def test_llm_ring_pins_this_process_during_the_run_and_restores_it_even_on_error
                          (object(), "asyncio")):
         with trainer_cores(cfg, srv, backend) as p:
             assert not p.active and partition.available_cpus() == mine
+            assert p.describe().endswith("; trainer with 3 torch thread(s)"), p.describe()

@@ -2,7 +2,10 @@
 teach what 05 teaches from them: section 6 (a long async run learns; the generators run while
 the trainer trains), section 7 (the same config in sync mode; async's steady step is shorter, by
 what the step cost model predicts) and Exercise 2 (``max_staleness=0`` drops the generators'
-head start and loses async's advantage). ``scripts/record_nb05.py`` makes them.
+head start and loses async's advantage); the dynamic group's ``nb05-dynamic-off`` /
+``nb05-dynamic-on`` (dynamic sampling trains on no equal-reward group and drops some) and
+``nb05-binds`` (``max_ahead`` past ``max_staleness``: the staleness rule drops groups).
+``scripts/record_nb05.py`` makes them.
 
 Each claim is a function returning its problems, run on the shipped recordings and on
 synthetic ones written through the same path (``train``'s files, then ``record_run``) that
@@ -33,6 +36,8 @@ MIN_STEPS = 60  # greedy accuracy on the held-out problems moves well past its n
 MODEL_TOLERANCE = 0.25
 DIAGNOSTICS = ("entropy", "zero_std_frac", "truncated_frac")  # section 6's dashboard panels
 STALE0_CHANGES = {"max_staleness", "steps", "eval_every", "time_budget_s"}  # Exercise 2's
+DYNAMIC_GROUP = ("nb05-dynamic-off", "nb05-dynamic-on", "nb05-binds")
+MAX_DYNAMIC_BYTES = 300_000  # scripts/record_nb05.py keeps the dynamic group's folders small
 
 
 @dataclass
@@ -212,9 +217,11 @@ def synthetic(tmp: Path, name: str, *, mode: str, step_s: float | None, stale: i
               steps: int = 60, drops: int = 0, acc: tuple[float, float] = (0.33, 0.5),
               overlap: bool | None = None, diagnostics: bool = True,
               G: float = 1.6, T: float = 0.9, S: float = 0.3, S_server: float = 0.1,
-              **changes: Any) -> Recording:
+              equal: int = 4, dynamic_drops: int = 0, **changes: Any) -> Recording:
     """A run folder as ``train()`` writes it, shrunk by ``record_run``: sync mode takes turns
-    (G, T, S, 0.05 s of hand-off); async steps every ``step_s`` with generation throughout."""
+    (G, T, S, 0.05 s of hand-off); async steps every ``step_s`` with generation throughout;
+    each step trains on ``equal`` equal-reward groups and dynamic sampling drops
+    ``dynamic_drops``."""
     cfg = LLMConfig.smoke().replace(**{"mode": mode, "steps": steps, "time_budget_s": 300.0,
                                        **changes})
     run_dir = tmp / "runs" / name
@@ -238,7 +245,9 @@ def synthetic(tmp: Path, name: str, *, mode: str, step_s: float | None, stale: i
         extra = dict(zip(DIAGNOSTICS, (1.5, 0.25, 0.0), strict=True)) if diagnostics else {}
         rec.log("step", t=train[1], step=k, reward=0.2 + k / 300, tokens=640, train_s=T,
                 age_s=[G + T] * 16, staleness=[stale] * 16, wall_s=train[1] - start,
-                dropped=drops * k, response_len=5.0, **extra)
+                dropped=drops * k, response_len=5.0, zero_std_groups=equal,
+                dynamic_dropped=dynamic_drops, dynamic_dropped_total=dynamic_drops * k,
+                dynamic_capped=False, **extra)
         for d in range(drops):
             rec.log("dropped", t=train[1] + 0.01, step=k, staleness=1, total=drops * (k - 1) + d + 1)
         rec.log("sync", t=train[1] + S, step=k, version=k, ms=S * 1000, phases=phases,
@@ -311,3 +320,83 @@ def test_recorded_race_against_trl_has_what_notebook_05_reads() -> None:
         race["contenders"]["async"]["time_split"]["per_step_s"])
     sizes = json.loads((RECORDED / "generation_sizes.json").read_text())
     assert len(sizes["sizes"]) >= 3 and sizes["command"].startswith("python benchmarks/")
+
+
+# ---- the dynamic group: dynamic sampling off / on, and max_ahead past max_staleness ---------
+
+def dynamic_problems(off: Recording, on: Recording, binds: Recording) -> list[str]:
+    """Long enough; one field apart; dynamic sampling off trains on equal-reward groups, on
+    trains on none (no step at the cap) and drops some; nb05-binds drops groups sampled too
+    far ahead and trains on none older than ``max_staleness``."""
+    out = []
+    for run in (off, on, binds):
+        if run.result.steps < MIN_STEPS or len(steps_of(run)) != run.result.steps:
+            out.append(f"{run.name}: {run.result.steps} steps ({len(steps_of(run))} step rows), "
+                       f"fewer than {MIN_STEPS}")
+    if config_diff(off, on) != {"dynamic_sampling"} or on.config.get("dynamic_sampling") is not True:
+        out.append(f"dynamic off / on differ in {sorted(config_diff(off, on))}, not only in "
+                   "dynamic_sampling (False / True)")
+    if config_diff(off, binds) != {"max_ahead", "max_staleness"} or (
+            binds.config.get("max_ahead"), binds.config.get("max_staleness")) != (2, 1):
+        out.append(f"nb05-binds differs from nb05-dynamic-off in {sorted(config_diff(off, binds))}"
+                   ", not max_ahead=2, max_staleness=1 only")
+    if not sum(r["zero_std_groups"] for r in steps_of(off)) > 0:
+        out.append("nb05-dynamic-off trained on no equal-reward group (nothing to drop)")
+    trained_equal = sum(r["zero_std_groups"] for r in steps_of(on))
+    if trained_equal or any(r["dynamic_capped"] for r in steps_of(on)):
+        out.append(f"nb05-dynamic-on trained on {trained_equal} equal-reward groups")
+    drops = [r["dynamic_dropped"] for r in steps_of(on)]
+    if not sum(drops) > 0 or sum(drops) != steps_of(on)[-1]["dynamic_dropped_total"]:
+        out.append(f"nb05-dynamic-on: {sum(drops)} equal-reward groups dropped, total "
+                   f"{steps_of(on)[-1]['dynamic_dropped_total']}")
+    dropped = [r for r in binds.rows if r["kind"] == "dropped"]
+    if not binds.result.stale_dropped > 0 or len(dropped) != binds.result.stale_dropped:
+        out.append(f"nb05-binds: {binds.result.stale_dropped} groups dropped by staleness, "
+                   f"{len(dropped)} dropped rows")
+    if any(max(r["staleness"]) > binds.config["max_staleness"] for r in steps_of(binds)):
+        out.append("nb05-binds trained on a group older than max_staleness")
+    return out
+
+
+def test_recorded_dynamic_group_drops_what_it_should() -> None:
+    runs = [load(RECORDED / n) for n in DYNAMIC_GROUP]
+    problems = dynamic_problems(*runs)
+    assert not problems, "\n".join(problems)
+    for name in DYNAMIC_GROUP:
+        size = sum(f.stat().st_size for f in (RECORDED / name).iterdir())
+        assert size < MAX_DYNAMIC_BYTES, f"{name}: {size} bytes"
+
+
+GOOD_DYNAMIC: dict[str, dict[str, Any]] = {
+    "nb05-dynamic-off": {"mode": "async", "step_s": 1.8, "stale": 1},
+    "nb05-dynamic-on": {"mode": "async", "step_s": 2.4, "stale": 1, "equal": 0,
+                        "dynamic_drops": 5, "dynamic_sampling": True},
+    "nb05-binds": {"mode": "async", "step_s": 1.8, "stale": 1, "drops": 3, "max_ahead": 2,
+                   "max_staleness": 1},
+}
+BROKEN_DYNAMIC = {
+    "short": ({"nb05-dynamic-on": {"steps": 9}}, "fewer than 60"),
+    "two fields apart": ({"nb05-dynamic-on": {"lr": 1e-4}}, "not only in dynamic_sampling"),
+    "binds' config": ({"nb05-binds": {"max_ahead": 1}}, "not max_ahead=2"),
+    "nothing to drop": ({"nb05-dynamic-off": {"equal": 0}}, "nothing to drop"),
+    "trains equal groups": ({"nb05-dynamic-on": {"equal": 1}}, "on trained on 60 equal"),
+    "drops nothing": ({"nb05-dynamic-on": {"dynamic_drops": 0}}, "0 equal-reward groups dropped"),
+    "binds drops nothing": ({"nb05-binds": {"drops": 0}}, "0 groups dropped by staleness"),
+    "binds trains too stale": ({"nb05-binds": {"stale": 2}}, "older than max_staleness"),
+}
+
+
+def dynamic_runs(tmp: Path, **broken: dict[str, Any]) -> list[Recording]:
+    return [synthetic(tmp, name, **{**spec, **broken.get(name, {})})
+            for name, spec in GOOD_DYNAMIC.items()]
+
+
+def test_dynamic_checks_pass_on_a_good_group(tmp_path: Path) -> None:
+    assert dynamic_problems(*dynamic_runs(tmp_path)) == []
+
+
+@pytest.mark.parametrize("claim", list(BROKEN_DYNAMIC))
+def test_dynamic_checks_catch_each_broken_claim(tmp_path: Path, claim: str) -> None:
+    broken, phrase = BROKEN_DYNAMIC[claim]
+    problems = dynamic_problems(*dynamic_runs(tmp_path, **broken))
+    assert any(phrase in p for p in problems), problems

@@ -2,13 +2,15 @@
 (``None``) ends the run with a :class:`RingError` naming it and the time waited, never a hang.
 
 No vLLM server: the asyncio actor runtime, fake peers, the toy ring, and the LLM trainer's
-finish path on a trainer built without a model. ``pytest-timeout`` turns a hang (a bound
+finish path on a trainer built on a random model. ``pytest-timeout`` turns a hang (a bound
 removed) into a failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -199,29 +201,26 @@ def test_toy_ring_names_a_generator_whose_drain_hangs(monkeypatch):
     assert "trainer: gen1 did not finish draining" in msg
 
 
-# ── the LLM trainer's finish path (no model, no server) ──
+# ── the LLM trainer's finish path (a trainer built on a random model, no server) ──
 
 
-def _llm_trainer(saved: list[str]) -> Any:
-    """A :class:`grpo_nb.llm.actors.Trainer` with only what its finish path touches."""
-    from grpo_nb.actors import Channel
-    from grpo_nb.llm.actors import Trainer
+@contextlib.contextmanager
+def _llm_trainer(model_dir: Any, saved: list[str]) -> Iterator[Any]:
+    """A :class:`grpo_nb.llm.actors.Trainer` whose checkpoints are only recorded in ``saved``."""
+    from llm_trainer import built_trainer
+
     from grpo_nb.llm.config import LLMConfig
 
-    t = Trainer.__new__(Trainer)
-    t.cfg = LLMConfig(generators=2, finish_timeout_s=BOUND)
-    t.finish_timeout_s, t.next_msg = t.cfg.finish_timeout_s, None
-    t.port, t.inbox = Channel.open()
-    t._checkpoint = lambda: saved.append("checkpoint")
-    return t
+    with built_trainer(model_dir, LLMConfig(generators=2, finish_timeout_s=BOUND)) as t:
+        t.learner.save = lambda state: saved.append("checkpoint")
+        yield t
 
 
-def test_llm_trainer_finish_is_bounded_names_the_peer_and_keeps_the_steps():
+@pytest.mark.timeout(120)  # builds a model: slower on a loaded machine
+def test_llm_trainer_finish_is_bounded_names_the_peer_and_keeps_the_steps(random_model_dir):
     from grpo_nb.actors import Channel, this_host
 
-    async def main() -> None:
-        saved: list[str] = []
-        t = _llm_trainer(saved)
+    async def main(t: Any, saved: list[str]) -> None:
         to_scorer, _ = Channel.open()  # a scorer that never forwards the end of the stream
         gens = this_host().spawn_procs(per_host={"gpus": 2}).spawn(
             "gens", FakeGen, to_scorer, _Null(), None)
@@ -234,14 +233,16 @@ def test_llm_trainer_finish_is_bounded_names_the_peer_and_keeps_the_steps():
         assert saved == ["checkpoint"]  # a dead peer does not cost the trained steps
         await gens.stop()
 
-    asyncio.run(main())
+    saved: list[str] = []
+    with _llm_trainer(random_model_dir, saved) as t:
+        asyncio.run(main(t, saved))
 
 
-def test_llm_trainer_bounds_a_receive_pending_since_the_stop_and_the_drain():
+@pytest.mark.timeout(120)  # builds a model: slower on a loaded machine
+def test_llm_trainer_bounds_a_receive_pending_since_the_stop_and_the_drain(random_model_dir):
     from grpo_nb.actors import Channel, this_host
 
-    async def main() -> None:
-        t = _llm_trainer([])
+    async def main(t: Any) -> None:
         t.next_msg = asyncio.ensure_future(asyncio.Event().wait())  # never resolves
         to_scorer, _ = Channel.open()
         quiet = this_host().spawn_procs(per_host={"gpus": 2}).spawn(
@@ -255,13 +256,13 @@ def test_llm_trainer_bounds_a_receive_pending_since_the_stop_and_the_drain():
         await quiet.stop()
         await hung.stop()
 
-    asyncio.run(main())
+    with _llm_trainer(random_model_dir, []) as t:
+        asyncio.run(main(t))
 
 
 def test_finish_timeout_is_validated_by_name():
     from grpo_nb.llm.config import LLMConfig
 
-    assert LLMConfig().finish_timeout_s > 0
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="LLMConfig.finish_timeout_s"):
             LLMConfig(finish_timeout_s=bad)
@@ -280,24 +281,19 @@ class _Null:
 def test_a_group_that_arrives_as_a_stop_comes_is_kept_not_lost():
     """A receive cancelled by a stop-polling timeout may already have taken a group off the
     queue; in sync mode exactly one step's groups are issued, so the trainer would then wait
-    for ever. The trainer never cancels a receive under way: it keeps it (``next_msg``) for
-    the finish."""
+    for ever. :meth:`Sink.collect` never cancels a receive under way: it keeps it
+    (``next_msg``) for the finish."""
     from types import SimpleNamespace
 
-    from grpo_nb.llm.actors import Trainer
-
     async def main() -> None:
-        t = _llm_trainer([])
-        t.cfg = t.cfg.replace(prompts_per_step=1)
-        t.stopping, t.deadline = asyncio.Event(), None
-        t.pt, t.received = SimpleNamespace(step_count=0), 0
+        t, stopping = Tail(_Null()), asyncio.Event()
         got: list[Any] = []
         for i in range(24):  # the stop lands a few loop passes before, with, or after the group
-            waiting = asyncio.ensure_future(Trainer._collect(t, None))
+            waiting = asyncio.ensure_future(t.collect(1, lambda g: True, stopping=stopping))
             for _ in range(i % 3):
                 await asyncio.sleep(0)
             group = SimpleNamespace(policy_version=0, name=f"group{i}")
-            events = [t.stopping.set, lambda g=group: t.port.send(g)]
+            events = [stopping.set, lambda g=group: t.port.send(g)]
             if i % 2:
                 events.reverse()
             events[0]()
@@ -311,7 +307,22 @@ def test_a_group_that_arrives_as_a_stop_comes_is_kept_not_lost():
                 assert t.inbox.qsize() == 1, f"group{i} was lost with its receive"
                 msg = [await t.inbox.recv()]
             got.append(msg[0].name)
-            t.stopping.clear()
+            stopping.clear()
         assert got == [f"group{i}" for i in range(24)] and t.inbox.qsize() == 0
 
     asyncio.run(main())
+
+
+def test_the_finish_reads_a_receive_left_pending_before_the_queue():
+    """:meth:`Sink.discard_queued` counts what the receive a stop left pending brings too."""
+
+    async def main() -> int:
+        t, stopping = Tail(_Null()), asyncio.Event()
+        stopping.set()
+        t.next_msg = asyncio.ensure_future(t.inbox.recv())  # as collect leaves it at a stop
+        assert await t.collect(1, lambda g: True, stopping=stopping) is None
+        for msg in ("a", "b", None):
+            t.port.send(msg)
+        return await t.discard_queued()
+
+    assert asyncio.run(main()) == 2

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
+from fake_vllm import scripted
 
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Prompt, Rollout
@@ -23,42 +24,37 @@ from grpo_nb.llm.rollouts import (
 from grpo_nb.serving.client import ClientConfig, CompletionsClient
 
 
-def _fake_server(monkeypatch, replies):
-    """Answers each request with the next list of (text, finish_reason); records the bodies."""
-    sent, replies = [], iter(replies)
-
-    async def post(self, body, url):
-        sent.append(body)
-        return [SimpleNamespace(token_ids=[5], logprobs=[-1.0], text=t, finish_reason=f,
-                                latency_s=0.0, versions=None) for t, f in next(replies)]
-
-    monkeypatch.setattr(CompletionsClient, "_post_with_retries", post)
-    return CompletionsClient("http://127.0.0.1:9/v1", "m"), sent
+def _fake_server(fake, replies):
+    """A client of ``fake`` answering each request with the next list of (text,
+    finish_reason); the bodies sent: ``fake.sampled``."""
+    fake.sampler = scripted(replies)
+    return CompletionsClient(fake.base_url, "m")
 
 
-def test_groups_are_rewarded_with_the_given_reward_and_cut_completions_score_0(monkeypatch):
+def test_groups_are_rewarded_with_the_given_reward_and_cut_completions_score_0(fake_vllm):
     from grpo_nb.tasks import make_reward
 
-    client, sent = _fake_server(monkeypatch, [[("7", "stop"), ("the sum is 7", "stop"),
-                                               ("8", "stop"), ("7", "length")]])
-    cfg = LLMConfig(group_size=4)
+    client = _fake_server(fake_vllm, [[("7", "stop"), ("the sum is 7", "stop"),
+                                       ("8", "stop"), ("7", "length")]])
+    cfg = LLMConfig(group_size=4).resolve()
     (group,) = asyncio.run(sample_groups(client, [Prompt("q", [1], "7")], cfg,
                                          reward=make_reward("math+0.5*format")))
     assert group.rewards == [1.5, 1.0, 0.5, 0.0]
+    sent = fake_vllm.sampled
     assert len(sent) == 1 and sent[0]["sampling_params"]["n"] == 4
     assert sent[0]["cache_salt"] == "policy-v0"
 
 
-def test_an_aborted_group_is_sampled_again_at_the_new_version(monkeypatch):
+def test_an_aborted_group_is_sampled_again_at_the_new_version(fake_vllm):
     """A group cut short by a sync is not a sample of one policy: dropped, counted, resampled
     with the version then served (and its salt)."""
-    client, sent = _fake_server(monkeypatch, [[("7", "abort"), ("7", "stop")],
-                                              [("7", "stop"), ("8", "stop")]])
+    client = _fake_server(fake_vllm, [[("7", "abort"), ("7", "stop")],
+                                      [("7", "stop"), ("8", "stop")]])
     versions, aborted = iter([3, 4]), []
-    group = asyncio.run(sample_group(client, Prompt("q", [1], "7"), LLMConfig(group_size=2),
+    group = asyncio.run(sample_group(client, Prompt("q", [1], "7"), LLMConfig(group_size=2).resolve(),
                                      lambda: next(versions), on_abort=lambda: aborted.append(1)))
     assert aborted == [1] and group.policy_version == 4
-    assert [b["cache_salt"] for b in sent] == ["policy-v3", "policy-v4"]
+    assert [b["cache_salt"] for b in fake_vllm.sampled] == ["policy-v3", "policy-v4"]
     assert [r.finish_reason for r in group.rollouts] == ["stop", "stop"]
 
 
@@ -157,7 +153,7 @@ def test_a_failed_group_raises_and_cancels_the_others(vllm_server, test_prompts)
         async with CompletionsClient.for_server(vllm_server) as c:
             with pytest.raises(CompletionError, match="HTTP 400"):
                 await sample_groups(c, [test_prompts[0], too_long, test_prompts[1]],
-                                    LLMConfig(group_size=2))
+                                    LLMConfig(group_size=2).resolve())
             return c.stats
 
     assert asyncio.run(go()).http_4xx >= 1
@@ -168,12 +164,16 @@ def test_a_failed_group_raises_and_cancels_the_others(vllm_server, test_prompts)
 @pytest.mark.timeout(900)
 def test_cli_prints_json_last_attached_to_a_running_server(vllm_server, tiny_model_dir):
     """``--attach`` (a CLI that starts its own server is tested in test_llm_scale.py), at a
-    temperature other than 1: the log-probs are compared at the one sampled at."""
+    temperature other than 1: the log-probs are compared at the one sampled at. HTTP_PROXY,
+    HTTPS_PROXY and ALL_PROXY (both cases) point at a dead port and NO_PROXY is unset: every
+    loopback call of the CLI bypasses the proxy (test_loopback_proxy.py)."""
+    from test_loopback_proxy import proxied_env
+
     proc = subprocess.run(
         [sys.executable, "-m", "grpo_nb", "rollouts", "--smoke", "--model", str(tiny_model_dir),
          "--attach", vllm_server.url, "--groups", "4", "--group-size", "4",
          "--temperature", "0.7"],
-        capture_output=True, text=True, timeout=800)
+        capture_output=True, text=True, timeout=800, env=proxied_env(dict(os.environ)))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["groups"] == 4 and result["samples"] == 16

@@ -9,11 +9,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
+from fake_vllm import FakeVLLM
 from keyed_checks import status as _status
 
 from grpo_nb.serving import server as serving
@@ -129,39 +129,53 @@ def test_unreachable_server_is_retried_then_counted():
 
 
 async def _with_stub_server(handler, body):
-    """Run ``body(client)`` against a loopback HTTP server (a thread per request) on which
-    ``handler(request_json, headers)`` answers each POST with ``(status, json_body)``.
-
-    vLLM does not answer 5xx or token-less choices on demand, so these failure paths are
-    exercised against a small real HTTP server instead.
-    """
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            status, answer = handler(request, self.headers)
-            data = json.dumps(answer).encode()
-            with contextlib.suppress(OSError):  # the client timed out and left
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        async with CompletionsClient(f"http://127.0.0.1:{httpd.server_address[1]}/v1", "m",
+    """Run ``body(client)`` against the fake server, on which ``handler(request_json,
+    headers)`` answers each POST with ``(status, json_body)``: vLLM does not answer 5xx or
+    token-less choices on demand, so these failure paths are exercised against the fake."""
+    with FakeVLLM() as fake:
+        fake.answer = lambda r: handler(r.body, r.headers) if r.method == "POST" else None
+        async with CompletionsClient(fake.base_url, "m",
                                      ClientConfig(retries=1, backoff_s=0.01)) as client:
             return await body(client)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+
+
+def test_the_fake_server_answers_in_vllms_own_shapes():
+    """tests/fake_vllm.py's answers parse as vLLM 0.32's response models, and the package's
+    clients read them: so a test against the fake tests what a real server would send."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponse
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        GenerateTextResponse,
+        GenerateTokensResponse,
+    )
+
+    from grpo_nb.weight_sync.client import VLLMControlClient
+
+    with FakeVLLM() as fake:
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 1, "n": 2, "logprobs": 1,
+                "return_token_ids": True, "prompt_logprobs": 0}
+        CompletionResponse.model_validate(httpx.post(f"{fake.base_url}/completions",
+                                                     json=body, timeout=10).json())
+        for mode, model in (("text", GenerateTextResponse), ("tokens", GenerateTokensResponse)):
+            reply = httpx.post(f"{fake.url}/inference/v1/generate", timeout=10, json={
+                "model": "m", "token_ids": [1], "output_mode": mode,
+                "sampling_params": {"n": 2, "logprobs": 0}}).json()
+            assert model.model_validate(reply).choices[0].weight_versions[0].version == "default"
+        control = VLLMControlClient(fake.url, timeout=10)
+        control.set_weight_version("3")
+        control.pause("abort")
+        assert (control.weight_version(), control.is_paused()) == ("3", True)
+        control.resume()
+        assert control.wait_running(0, timeout=1) and control.model_name() == "m"
+        assert control.prompt_logprobs([[4, 5, 6]]) == [[-1.0, -1.0]]
+        assert control.collective_rpc("grpo_model_dtype") == ["float32"]
+
+        async def sample():
+            async with CompletionsClient.for_server(fake) as client:
+                return await client.generate([1], n=2), await client.complete([1])
+
+        generated, completed = asyncio.run(sample())
+        assert [c.versions for c in generated] == [["3"], ["3"]]
+        assert completed[0].token_ids == [5] and completed[0].logprobs == [-1.0]
 
 
 def test_http_5xx_is_raised_and_counted_not_retried():

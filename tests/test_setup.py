@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -114,7 +113,6 @@ def test_every_notebook_starts_with_intro_and_doctor() -> None:
 def test_doctor_reports_and_judges() -> None:
     report = doctor.diagnose()
     assert report.versions["torch"] and report.versions["python"]
-    assert set(report.verdicts) == set(doctor.NOTEBOOK_NEEDS)
     # The toy notebooks need only the core stack, which this environment has.
     assert report.verdicts["01"] == []
     out = subprocess.run(
@@ -122,7 +120,6 @@ def test_doctor_reports_and_judges() -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ},
     )
     assert "notebook 05" in out.stdout
     assert out.returncode == (0 if not report.problems() else 1)
@@ -133,7 +130,22 @@ def test_doctor_flags_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(doctor, "_version", lambda d: None if d == "vllm" else real(d))
     report = doctor.diagnose()
     assert any("vllm missing" in p for p in report.verdicts["04"])
-    assert report.verdicts["02"] == [p for p in report.verdicts["02"] if "vllm" not in p]
+    assert not any("vllm" in p for p in report.verdicts["02"])  # the toy notebooks need none
     with pytest.raises(RuntimeError, match="notebook 05 .* cannot run: vllm missing"):
         doctor.check("05")
     assert doctor.cli(["--notebook", "04"]) == 1
+
+
+def test_a_tests_runs_go_to_its_tmp_path(tmp_path: Path) -> None:
+    """conftest's autouse fixture: what a test records (and every process it starts, through
+    ``GRPO_NB_RUNS``) lands under its ``tmp_path``, never in the checkout's ``runs/``."""
+    from grpo_nb.metrics import MetricsRecorder
+
+    with MetricsRecorder.for_run("probe") as rec:
+        rec.log("step", step=1)
+    assert config.runs_dir() == tmp_path / "runs"
+    assert (tmp_path / "runs" / "probe" / "metrics.jsonl").is_file()
+    child = subprocess.run([sys.executable, "-c", "from grpo_nb import config; "
+                            "print(config.runs_dir())"], capture_output=True, text=True,
+                           timeout=120, check=True)
+    assert child.stdout.strip() == str(tmp_path / "runs")

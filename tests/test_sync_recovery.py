@@ -53,6 +53,7 @@ class _Plane:
         self.calls: list[tuple[str, float | None]] = []
         self.update = "ok"
         self.release = threading.Event()
+        self.engines: list[_Engine] = []  # every trainer engine made for this plane
 
     def collective_rpc(self, method: str, kwargs: Any = None, timeout: Any = None) -> list[Any]:
         self.calls.append((method, timeout))
@@ -81,18 +82,22 @@ class _Engine:
 
     def __init__(self, transport: str, client: Any, peer: threading.Event) -> None:
         self.transport, self.client, self.peer = transport, client, peer
+        self.returned = threading.Event()  # send_weights has returned or raised
 
     def send_weights(self) -> None:
-        self.client.start_weight_update()
-        if self.transport == "nccl":
-            pool = ThreadPoolExecutor(max_workers=1)
-            future = pool.submit(self.client.update_weights, {})
-            self.peer.wait(30)  # the broadcast
-            pool.shutdown(wait=False)
-            future.result()
-        else:
-            self.client.update_weights({})
-        self.client.finish_weight_update()
+        try:
+            self.client.start_weight_update()
+            if self.transport == "nccl":
+                pool = ThreadPoolExecutor(max_workers=1)
+                future = pool.submit(self.client.update_weights, {})
+                self.peer.wait(30)  # the broadcast
+                pool.shutdown(wait=True)  # the worker's update has answered too
+                future.result()
+            else:
+                self.client.update_weights({})
+            self.client.finish_weight_update()
+        finally:
+            self.returned.set()
 
     def shutdown(self) -> None:
         pass
@@ -110,7 +115,9 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
     made: list[Any] = []
 
     def trainer_init(info: Any, *, client: Any, source: Any) -> _Engine:
-        return _Engine(made[-1].cfg.transport, client, peer)
+        engine = _Engine(made[-1].cfg.transport, client, peer)
+        made[-1].client.engines.append(engine)
+        return engine
 
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", trainer_init)
 
@@ -149,9 +156,9 @@ def test_an_nccl_update_left_unanswered_ends_the_run_saying_restart(fake_gpu) ->
         start = time.perf_counter()
         with pytest.raises(WeightSyncError, match="refused: the server cannot be recovered"):
             call()
-        assert time.perf_counter() - start < 0.2
+        assert time.perf_counter() - start < 5.0  # a hang guard: no request is made (below)
     peer.set()  # the abandoned thread goes on: its finish is refused too
-    time.sleep(0.5)
+    assert all(engine.returned.wait(30) for engine in plane.engines)
     assert plane.calls == sent, plane.calls[len(sent):]
 
 
@@ -185,7 +192,7 @@ def test_an_abandoned_ipc_update_is_recovered_and_its_late_calls_refused(fake_gp
     recovered = list(plane.calls)
     assert recovered[0] == ("grpo_abort_update", syncer.transfer_limit()), recovered
     plane.release.set()  # the first sync's worker answers now: its thread would finish
-    time.sleep(0.3)
+    assert all(engine.returned.wait(30) for engine in plane.engines)
     assert plane.calls == recovered, plane.calls[len(recovered):]
 
 

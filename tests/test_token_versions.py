@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import pytest
+from fake_vllm import FakeVLLM
 
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Prompt, Rollout
@@ -45,27 +46,25 @@ def _choice(ids: list[int], spans: list[dict[str, Any]] | None, reason: str = "l
                                      for i, t in enumerate(ids)]}}
 
 
-def _answering(monkeypatch: pytest.MonkeyPatch, replies: list[list[dict[str, Any]]]
-               ) -> tuple[CompletionsClient, list[tuple[str, dict[str, Any]]]]:
-    """A client whose requests are answered, in turn, by these lists of choices (parsed)."""
-    sent, replies_iter = [], iter(replies)
-
-    async def post(self: CompletionsClient, body: dict[str, Any], url: str) -> list[Any]:
-        sent.append((url, body))
-        return self._parse({"choices": next(replies_iter)}, 0.0)
-
-    monkeypatch.setattr(CompletionsClient, "_post_with_retries", post)
-    return CompletionsClient("http://127.0.0.1:9/v1", "m"), sent
+def _answering(fake: FakeVLLM, replies: list[list[dict[str, Any]]]) -> CompletionsClient:
+    """A client of ``fake``, whose generate requests are answered, in turn, by these lists
+    of choices."""
+    replies_iter = iter(replies)
+    fake.answer = lambda r: ((200, {"request_id": "r", "output_mode": "text",
+                                    "choices": next(replies_iter)})
+                             if r.route == "/inference/v1/generate" else None)
+    return CompletionsClient(fake.base_url, "m")
 
 
-def test_the_sampler_gives_every_token_its_version(monkeypatch) -> None:
-    client, sent = _answering(monkeypatch, [[
+def test_the_sampler_gives_every_token_its_version(fake_vllm) -> None:
+    client = _answering(fake_vllm, [[
         _choice([5, 6, 7], _spans(("3", 0, 1), ("4", 1, 3))),
         _choice([5, 6], _spans(("4", 0, 2)), reason="stop")]])
-    group = asyncio.run(sample_group(client, Prompt("q", [1, 2], "7"), LLMConfig(group_size=2),
+    group = asyncio.run(sample_group(client, Prompt("q", [1, 2], "7"), LLMConfig(group_size=2).resolve(),
                                      lambda: 3, seed=11))
-    ((url, body),) = sent
-    assert url == "http://127.0.0.1:9/inference/v1/generate" and body["token_ids"] == [1, 2]
+    (request,) = fake_vllm.requests
+    body = request.body
+    assert request.route == "/inference/v1/generate" and body["token_ids"] == [1, 2]
     assert body["cache_salt"] == "policy-v3" and body["output_mode"] == "text"
     assert body["sampling_params"]["n"] == 2 and body["sampling_params"]["seed"] == 11
     a, b = group.rollouts
@@ -74,9 +73,9 @@ def test_the_sampler_gives_every_token_its_version(monkeypatch) -> None:
     assert (a.policy_version, b.policy_version, group.policy_version) == (3, 4, 3)
 
 
-def test_an_aborted_choice_keeps_its_tokens_versions_and_a_bad_span_fails(monkeypatch) -> None:
-    client, _ = _answering(monkeypatch, [[_choice([5, 6], _spans(("2", 0, 2)), "abort")],
-                                         [_choice([5, 6], _spans(("2", 0, 1)))]])
+def test_an_aborted_choice_keeps_its_tokens_versions_and_a_bad_span_fails(fake_vllm) -> None:
+    client = _answering(fake_vllm, [[_choice([5, 6], _spans(("2", 0, 2)), "abort")],
+                                    [_choice([5, 6], _spans(("2", 0, 1)))]])
     (cut,) = asyncio.run(client.generate([1], n=1))
     assert cut.finish_reason == "abort" and cut.versions == ["2", "2"]
     with pytest.raises(CompletionError, match="malformed weight_versions"):
@@ -84,39 +83,24 @@ def test_an_aborted_choice_keeps_its_tokens_versions_and_a_bad_span_fails(monkey
     assert client.stats.aborted == 1 and client.stats.http_5xx == 1
 
 
-def test_admission_reads_a_groups_oldest_token(monkeypatch) -> None:
+def test_admission_reads_a_groups_oldest_token(fake_vllm, random_model_dir) -> None:
     """At step 3 with max_staleness 1: a group submitted at version 1 whose tokens all came from
     versions 2 and 3 is admitted; one whose first tokens came from version 1 is dropped, however
     new its last ones are."""
-    from types import SimpleNamespace
+    from llm_trainer import built_trainer
 
-    from grpo_nb.actors import Channel
-    from grpo_nb.llm.actors import Trainer
-
-    client, _ = _answering(monkeypatch, [
+    client = _answering(fake_vllm, [
         [_choice([5, 6, 7], _spans(("2", 0, 2), ("3", 2, 3)))] * 2,  # fresh enough
         [_choice([5, 6, 7], _spans(("1", 0, 1), ("3", 1, 3)))] * 2,  # oldest token too old
         [_choice([5, 6], _spans(("3", 0, 2)))] * 2])
-    cfg = LLMConfig(group_size=2, prompts_per_step=2, max_staleness=1)
+    cfg = LLMConfig(group_size=2, prompts_per_step=2, max_staleness=1).resolve()
     groups = [asyncio.run(sample_group(client, Prompt("q", [1], "7"), cfg, lambda: 1,
                                        group_id=i)) for i in range(3)]
 
-    async def collect() -> tuple[list[int], int, list[dict[str, Any]]]:
-        t = object.__new__(Trainer)
-        port, t.inbox = Channel.open()
-        t.cfg, t.stopping, t.next_msg, t.deadline = cfg, asyncio.Event(), None, None
-        t.pt, t.received, t.dropped, t.issued = SimpleNamespace(step_count=3, version=3), 0, 0, 2
-        reported: list[dict[str, Any]] = []
-        t.report = lambda kind, **data: reported.append({"kind": kind, **data})
-        credits = SimpleNamespace(progress=SimpleNamespace(broadcast=lambda v, n: None))
-        for g in groups:
-            port.send(g)
-        kept = await asyncio.wait_for(t._collect(credits), 5.0)
-        return [g.group_id for g in kept], t.dropped, reported
-
-    kept, dropped, reported = asyncio.run(collect())
-    assert kept == [0, 2] and dropped == 1
-    assert reported == [{"kind": "dropped", "step": 3, "staleness": 2, "total": 1}]
+    with built_trainer(random_model_dir, cfg, groups=groups, step=3) as t:
+        kept = asyncio.run(asyncio.wait_for(t.collect(2, t.keep), 5.0))
+        assert [g.group_id for g in kept] == [0, 2] and t.ledger.stale == 1
+        assert t.rows == [{"kind": "dropped", "step": 3, "staleness": 2, "total": 1}]
 
 
 def _rollout(versions: list[int]) -> Rollout:

@@ -4,22 +4,22 @@ The session's shared server (float32, ``ring_server``) takes a randomly initiali
 (no SFT needed: only weights matter here); one bfloat16 server of this module's own (one more
 start, ≈ 1 min) checks exact verification where the log-prob probe cannot be exact. The
 transaction rules (resume after any attempted pause, stay paused when dirty) are also checked
-against a stub HTTP server, without vLLM.
+against the tests' fake server (fake_vllm.py), without vLLM.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from fake_vllm import FakeVLLM
 
 from grpo_nb.weight_sync import (
     VLLMControlClient,
@@ -89,15 +89,15 @@ def test_server_settings_name_the_extension_and_backend() -> None:
 
 def test_receive_slots_are_aligned_in_one_buffer() -> None:
     from grpo_nb.weight_sync.gloo_engine import GlooUpdateInfo
-    from grpo_nb.weight_sync.worker import GlooWeightTransferEngine
+    from grpo_nb.weight_sync.worker import receive_slots
 
-    engine = GlooWeightTransferEngine.__new__(GlooWeightTransferEngine)  # no vLLM worker
     info = GlooUpdateInfo(["a", "b", "c"], ["float32", "float32", "bfloat16"], [[3], [100], [5]])
-    slots = engine._slots(info)
+    buffer, slots = receive_slots(info, None)
     # 12 bytes → slot of 16; 400 bytes; 10 bytes → 16: every slot starts 16-byte aligned.
-    assert [s.data_ptr() - engine.buffer.data_ptr() for s in slots] == [0, 16, 416]
-    assert [s.numel() for s in slots] == [12, 400, 10] and engine.buffer.numel() == 432
-    assert engine._slots(info)[0].data_ptr() == slots[0].data_ptr()  # the buffer is kept
+    assert [s.data_ptr() - buffer.data_ptr() for s in slots] == [0, 16, 416]
+    assert [s.numel() for s in slots] == [12, 400, 10] and buffer.numel() == 432
+    again, slots2 = receive_slots(info, buffer)
+    assert again is buffer and slots2[0].data_ptr() == slots[0].data_ptr()  # the buffer is kept
 
 
 def test_unreachable_server_raises_and_version_does_not_advance() -> None:
@@ -111,55 +111,15 @@ def test_unreachable_server_raises_and_version_does_not_advance() -> None:
     assert syncer.version is None
 
 
-class _StubControlPlane:
-    """A fake vLLM control plane on loopback: records every route called; routes added to
-    ``slow`` sleep 2 s (past the client's timeout), routes added to ``fail`` answer 500."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self.queries: list[str] = []
-        self.slow: set[str] = set()
-        self.fail: set[str] = set()
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                route = self.path.split("?")[0]
-                stub.calls.append(route)
-                stub.queries.append(self.path.partition("?")[2])
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if route in stub.slow:
-                    time.sleep(2.0)
-                code = 500 if route in stub.fail else 200
-                body = json.dumps({"results": []}).encode()
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except OSError:  # the client timed out and left
-                    pass
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
-def stub():
-    plane = _StubControlPlane()
-    yield plane
-    plane.close()
+def stub() -> Iterator[FakeVLLM]:
+    """The fake server's control plane: ``fail`` routes answer 500, ``slow`` ones answer after
+    2 s (past the syncer's 0.5 s timeout)."""
+    with FakeVLLM() as plane:
+        yield plane
 
 
-def _stub_syncer(stub: _StubControlPlane, pause_mode: str = "keep") -> WeightSyncer:
+def _stub_syncer(stub: FakeVLLM, pause_mode: str = "keep") -> WeightSyncer:
     from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
 
     model = build_model(TinyModelConfig(), build_tokenizer())
@@ -169,7 +129,7 @@ def _stub_syncer(stub: _StubControlPlane, pause_mode: str = "keep") -> WeightSyn
 
 
 def test_pause_that_times_out_is_still_followed_by_resume(stub) -> None:
-    stub.slow.add("/pause")
+    stub.slow["/pause"] = 2.0
     syncer = _stub_syncer(stub)
     with pytest.raises(WeightSyncError, match="pause"):
         syncer.sync(1)
@@ -186,7 +146,7 @@ def test_failed_transfer_stays_paused_until_a_full_resend_succeeds(stub) -> None
         syncer.sync(1)
     assert stub.calls == ["/pause", "/collective_rpc"]  # no /resume: half-loaded model
     assert syncer.dirty is not None and "version 1" in syncer.dirty
-    stub.calls.clear()
+    stub.requests.clear()
     stub.fail.clear()  # the fault is gone: the next sync re-sends and resumes
     result = syncer.sync(2)
     assert syncer.dirty is None and result.version == 2 == syncer.version
@@ -196,7 +156,7 @@ def test_failed_transfer_stays_paused_until_a_full_resend_succeeds(stub) -> None
     assert result.round_trips == 5
     assert {"reset", "pause", "transfer", "load", "version", "resume",
             "total"} <= set(result.phases)
-    stub.calls.clear()
+    stub.requests.clear()
     assert syncer.sync(3).round_trips == 4  # a clean server: no reset
     syncer.close()
 
@@ -205,25 +165,25 @@ def test_a_sync_without_pause_pauses_at_once_when_it_fails_and_resumes_after_a_r
     syncer = _stub_syncer(stub, pause_mode="none")
     syncer.sync(1)  # no /pause, no /resume; the old weights' prompt KV is dropped
     assert stub.calls == ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
-    stub.calls.clear()
+    stub.requests.clear()
     stub.fail.add("/collective_rpc")
     with pytest.raises(WeightSyncError, match="PAUSED"):
         syncer.sync(2)
     # Generation was running: stop it now (abort), and stay paused while dirty.
-    assert stub.calls == ["/collective_rpc", "/pause"] and stub.queries[-1] == "mode=abort"
+    assert stub.calls == ["/collective_rpc", "/pause"] and stub.requests[-1].query == "mode=abort"
     assert syncer.dirty is not None and syncer.version == 1
-    stub.calls.clear()
+    stub.requests.clear()
     stub.fail.clear()
     assert syncer.sync(3).version == 3 and syncer.dirty is None
     # The full re-send went through (after the reset): now the pause it left is lifted.
     assert stub.calls == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache",
                           "/update_weight_version", "/resume"]
-    stub.calls.clear()
+    stub.requests.clear()
     syncer.sync(4)
     assert "/resume" not in stub.calls and "/pause" not in stub.calls
     syncer.close()
     # A client whose every request is salted with its policy version has no cache to drop.
-    stub.calls.clear()
+    stub.requests.clear()
     salted = WeightSyncer(stub.url, syncer.model, syncer.cfg, salted=True)
     salted.sync(5)
     assert stub.calls == ["/collective_rpc", "/update_weight_version"]
@@ -400,7 +360,8 @@ def test_a_sync_without_pause_never_serves_prompt_kv_of_the_old_weights(ring_ser
         with ThreadPoolExecutor(1) as pool:  # requests in flight while the next sync runs
             long = pool.submit(httpx.post, f"{ring_server.url}/v1/completions", json=body,
                                timeout=120)
-            time.sleep(0.2)  # they are scheduled within a step or two
+            # the sync starts once they decode (the server's vllm:num_requests_running gauge)
+            assert syncer.client.wait_running(1, timeout=60), "the long requests never ran"
             perturb()
             assert syncer.sync(62).verified is True
             assert not long.done(), ("the long requests ended before the sync: make them longer",

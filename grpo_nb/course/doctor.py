@@ -195,16 +195,41 @@ def orphan_section(reap: bool) -> str:
     return "\n".join(lines)
 
 
+def workshop_section(report: Report, pieces: machine.WarmUp | None = None) -> str | None:
+    """``--workshop``: print the warm-up of the caches the room's first vLLM start reads
+    (:func:`machine.warm_caches`), a line per step as it ends; the first problem (None: warmed)."""
+    if blocked := [k for k in ("04", "05") if report.verdicts[k]]:
+        problem = (f"notebook {blocked[0]} is not ready, so nothing was warmed: "
+                   f"{report.verdicts[blocked[0]][0]}")
+        print(f"  workshop warm-up: skipped\n      - {problem}")
+        return problem
+    mode = "smoke" if smoke_mode() else "full"
+    print(f"  workshop warm-up, {mode} mode (run it in the mode the room will use; minutes on a "
+          "new machine)", flush=True)
+    checks = machine.warm_caches(pieces, lambda c: print(f"    {c.name:<20} {c.line}", flush=True))
+    problem = next((c.problem for c in checks if c.problem), None)
+    if problem:
+        print(f"      - {problem}")
+    return problem
+
+
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m grpo_nb doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--notebook", choices=sorted(NOTEBOOK_NEEDS), help="check one notebook only")
     parser.add_argument("--reap", action="store_true",
                         help="stop vLLM servers started by grpo_nb whose owner process is gone")
+    parser.add_argument("--workshop", action="store_true",
+                        help="also warm the caches: build the tiny model and start notebooks 04's "
+                             "and 05's vLLM servers compiled once (minutes on a new machine)")
     args = parser.parse_args(argv)
     report = diagnose()
     print(format_report(report))
     print(orphan_section(args.reap))
-    if problems := report.problems(args.notebook):
+    problems = report.problems(args.notebook)
+    if args.workshop:
+        warm_problem = workshop_section(report)
+        problems += [warm_problem] if warm_problem else []
+    if problems:
         print(f"\nnot ready: {problems[0]}", file=sys.stderr)
         return 1
     print("\nready.")

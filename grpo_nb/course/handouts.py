@@ -21,7 +21,7 @@ from typing import Any
 import nbformat
 from nbformat import NotebookNode
 
-from grpo_nb.config import repo_root
+from grpo_nb.config import PosInt, check_fields, repo_root
 
 PDF_NAME = "grpo-notebooks.pdf"
 _DURATION = (
@@ -61,24 +61,23 @@ class Runtime:
 class HandoutConfig:
     """What to build, from where, into where; ``only`` lists notebook numbers (empty: all)."""
 
-    notebooks: Path
-    out: Path
+    notebooks: Path  # the folder of NN_*.ipynb notebooks
+    out: Path  # where the pages go
     full: bool = False  # the full-size configuration instead of GRPO_NB_SMOKE=1
-    pdf: bool = False
+    pdf: bool = False  # also a PDF of each page
     solutions: bool = False  # keep them in the pages (an instructor's copy)
-    only: tuple[str, ...] = ()
-    cell_timeout_s: int | None = None  # None: 600 s in smoke mode, 3600 s in full mode
+    only: tuple[str, ...] = ()  # two-digit notebook numbers
+    cell_timeout_s: PosInt | None = None  # None: 600 s in smoke mode, 3600 s in full mode
 
     def __post_init__(self) -> None:
-        self.notebooks, self.out = Path(self.notebooks), Path(self.out)
+        self.notebooks, self.out, self.only = Path(self.notebooks), Path(self.out), tuple(self.only)
+        check_fields(self)
         if not self.notebooks.is_dir():
-            raise ValueError(f"notebooks: {self.notebooks} is not a folder")
+            raise ValueError(f"HandoutConfig.notebooks={str(self.notebooks)!r}: not a folder")
         if self.cell_timeout_s is None:
             self.cell_timeout_s = 3600 if self.full else 600
-        if self.cell_timeout_s <= 0:
-            raise ValueError(f"cell_timeout_s must be positive, got {self.cell_timeout_s}")
         if any(not re.fullmatch(r"\d\d", p) for p in self.only):
-            raise ValueError(f"only: expected two-digit notebook numbers, got {self.only}")
+            raise ValueError(f"HandoutConfig.only={self.only}: use two-digit notebook numbers")
 
 
 @dataclass

@@ -8,6 +8,8 @@ with its one-line fix.
   with OpenMP using ``$CXX``, else ``g++``; on a GPU, Triton builds a C launcher with ``$CC``,
   else ``cc``/``gcc``/``clang``. The check compiles a tiny shared library the same way.
 - disk: free space where the caches are written (the project cache, inductor's cache, runs).
+- warm-up (``doctor --workshop``): the tiny model built, each notebook's vLLM server started
+  compiled once, so that the room's first start reads the compile caches (:func:`warm_caches`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 # Platforms the pinned wheels are built for: (platform.system(), platform.machine() lowered).
 CPU_PLATFORMS = {("Linux", "x86_64"), ("Linux", "amd64")}
@@ -141,3 +145,89 @@ def inductor_cache() -> Path:
     except (KeyError, OSError):
         user = "unknown_user"
     return Path(tempfile.gettempdir()) / f"torchinductor_{user}"
+
+
+# ``doctor --workshop``'s warm-up: the tiny model, then notebook 04's and 05's vLLM servers
+# started compiled (vLLM's compile cache is keyed on the server's settings, max_model_len and
+# the model folder included, so each notebook's own settings are warmed), then 04's again: that
+# last start is what the room's first start will take.
+WARM_FIX = ("fix the first problem `python -m grpo_nb doctor` reports, then run it again; the "
+            "server's log is under runs/vllm/")
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """The warm-up's pieces (a test fakes them): ``model()`` builds or loads the tiny model's
+    folder; ``servers(model)`` lists ``(label, ServerConfig)`` of the notebooks' servers;
+    ``start(cfg)`` starts one, stops it, and returns the seconds it took to become healthy."""
+
+    model: Callable[[], Path]
+    servers: Callable[[Path], list[tuple[str, Any]]]
+    start: Callable[[Any], float]
+
+
+def notebook_servers(model: Path) -> list[tuple[str, Any]]:
+    """The servers notebooks 04 and 05 start on the tiny model, in this mode, compiled."""
+    from grpo_nb.config import preset
+    from grpo_nb.llm.config import LLMConfig
+    from grpo_nb.llm.placement import server_config
+    from grpo_nb.serving.server import ServerConfig
+
+    nb04 = replace(preset(ServerConfig), model=str(model), dtype="float32", kv_cache_bytes=64 << 20)
+    nb05 = server_config(str(model), preset(LLMConfig).replace(dtype="float32").resolve())
+    return [("notebook 04", replace(nb04, eager=False)), ("notebook 05", replace(nb05, eager=False))]
+
+
+def start_and_stop(cfg: Any) -> float:
+    import sys
+
+    from grpo_nb.serving.server import VLLMServer
+
+    server = VLLMServer(cfg)
+    try:  # the ticker of the start's log line on a terminal only, not in a log file
+        return float(server.start(progress=sys.stderr.isatty()).startup_seconds or 0.0)
+    finally:
+        server.stop()
+
+
+def default_warm_up() -> WarmUp:
+    from grpo_nb.tiny_model import build_or_load
+
+    return WarmUp(lambda: build_or_load(progress=False), notebook_servers, start_and_stop)
+
+
+def _failed(name: str, err: BaseException) -> Check:
+    first = (str(err).strip().splitlines() or [""])[0][:200]
+    return Check(name, "FAILED", f"{name} failed: {type(err).__name__}: {first}: {WARM_FIX}")
+
+
+def warm_caches(pieces: WarmUp | None = None,
+                on_check: Callable[[Check], None] = lambda check: None) -> list[Check]:
+    """Build the tiny model and start each notebook server once, then the first again; one
+    :class:`Check` per step (``on_check`` sees each as it ends), ending at the first failure."""
+    pieces = pieces or default_warm_up()
+    checks: list[Check] = []
+
+    def add(check: Check) -> list[Check]:
+        checks.append(check)
+        on_check(check)
+        return checks
+
+    start = time.monotonic()
+    try:
+        model = pieces.model()
+        servers = pieces.servers(model)
+    except Exception as err:
+        return add(_failed("tiny model", err))
+    add(Check("tiny model", f"{model.name}: ready in {time.monotonic() - start:.0f} s"))
+    for i, (label, cfg) in enumerate([*servers, *servers[:1]]):
+        again = i == len(servers)
+        name = f"{label} again" if again else label
+        try:
+            seconds = pieces.start(cfg)
+        except Exception as err:
+            return add(_failed(f"{name}'s vLLM server", err))
+        what = ("the room's first start will take about this long" if again
+                else "compiled, its caches filled")
+        add(Check(name, f"vLLM server healthy in {seconds:.0f} s ({what})"))
+    return checks

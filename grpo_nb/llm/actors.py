@@ -4,32 +4,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from grpo_nb import tasks
+from grpo_nb import partition, tasks
 from grpo_nb.actors import endpoint
 from grpo_nb.llm import placement
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, RingSpec
 from grpo_nb.llm.policy import PolicyTrainer, completion_logprobs, load_policy
 from grpo_nb.llm.rollouts import finish_scoring, greedy_accuracy, sample_group, token_lags
-from grpo_nb.ring import DynamicSampling, Relay, RingError, Sink, Source, cancel_task
+from grpo_nb.ring import Relay, RingError, Sink, Source
+from grpo_nb.ring_core import Admit, Ledger, staleness
+from grpo_nb.ring_core import admit as admit  # notebook 05 compares the learner's with it
 from grpo_nb.serving.client import ClientConfig, CompletionError, CompletionsClient, policy_salt
 from grpo_nb.tasks.scoring import BoundedReward
 from grpo_nb.weight_sync import WeightSyncer
-
-
-def admit(step: int, group_version: int, max_staleness: int) -> bool:
-    """Train on a group whose oldest token was sampled with weights ``step - group_version``
-    versions old? The trainer passes ``Group.policy_version``, its oldest token's version: a
-    completion a sync split between two versions counts by its older part."""
-    return step - group_version <= max_staleness
 
 
 def _client(spec: RingSpec, max_in_flight: int, timeout_s: float) -> CompletionsClient:
@@ -158,36 +153,119 @@ class Reference(Relay):
         return group
 
 
+def step_row(row: dict[str, Any], groups: list[Group], version: int, ledger: Ledger,
+             **timing: float) -> dict[str, Any]:
+    """The ``step`` row: ``PolicyTrainer.step``'s, with each group's staleness and age, the token
+    lags and the ledger's drops, for groups trained on by weights ``version``."""
+    now = time.time()
+    return {**row, **token_lags(groups, version),
+            "staleness": [staleness(version, g.policy_version) for g in groups],
+            "age_s": [now - g.t_submit for g in groups], "dropped": ledger.stale, **timing,
+            **ledger.dynamic.row()}
+
+
+class Learner:
+    """The trainer's policy and what it owes the server and the run folder: the weight syncs
+    (:meth:`sync`), evaluations of the served weights (:meth:`evaluate`), the checkpoint
+    (:meth:`save`, replaced each time) and the timed copies (:meth:`timed`, kept); each timed in
+    ``busy`` and reported as its row."""
+
+    def __init__(self, cfg: LLMConfig, spec: RingSpec, busy: Any,
+                 report: Callable[..., None]) -> None:
+        self.cfg, self.spec, self.busy, self.report = cfg, spec, busy, report
+        model, tok = load_policy(spec.resume_dir or spec.model_dir, placement.trainer_device(cfg),
+                                 placement.dtype_of(cfg))
+        self.pt = PolicyTrainer(model, tok, cfg)
+        self.resumed = self.pt.load(spec.resume_dir) if spec.resume_dir else {}
+        self.syncer = WeightSyncer(spec.server_url, model, placement.sync_of(cfg),
+                                   api_key=spec.api_key, salted=True)
+        self.run_dir = None if spec.run_dir is None else Path(spec.run_dir)
+        self.next_timed = cfg.checkpoint_every_s  # training seconds of the next timed copy
+        self.last_wall: tuple[int, float] | None = None  # the last step and its wall_s
+        self.syncs = 0
+
+    async def sync(self, *, verify: bool | None = None) -> None:
+        """Push the weights as version ``step_count`` (in a thread); ``verify`` None: at every
+        ``verify_every``-th sync, if ``cfg.sync.verify``."""
+        start, pt, self.syncs = time.time(), self.pt, self.syncs + 1
+        if verify is None:
+            verify = self.cfg.sync.verify and self.syncs % self.cfg.verify_every == 0
+        res = await asyncio.to_thread(self.syncer.sync, pt.step_count, verify=verify)
+        pt.version = res.version
+        if res.verified:
+            pt.last_verified = res.version
+        self.busy.add("sync", start)
+        self.report("sync", step=pt.step_count, version=res.version, ms=res.ms, bytes=res.bytes,
+                    verified=res.verified, phases={k: round(v, 2) for k, v in res.phases.items()})
+
+    async def evaluate(self) -> None:
+        """Greedy accuracy on the held-out prompts, sampled by the server."""
+        if self.pt.version != self.pt.step_count:
+            await self.sync()  # evaluate the weights just trained, not the last synced ones
+        start, spec = time.time(), self.spec
+        async with _client(spec, 4, 600.0) as client:
+            res = await greedy_accuracy(client, spec.eval_prompts,
+                                        tasks.make_reward(spec.reward_default),
+                                        self.cfg.max_tokens, cache_salt=policy_salt(self.pt.version))
+        self.busy.add("eval", start)
+        self.report("eval", step=self.pt.step_count, accuracy=res.accuracy, n=res.n,
+                    truncated=res.truncated, version=self.pt.version, pid=os.getpid())
+
+    def save(self, state: dict[str, Any]) -> None:
+        """The checkpoint (weights, optimiser, ``state``) in the run folder, if there is one."""
+        if self.run_dir is not None:
+            self.pt.save(self.run_dir / "checkpoint", state)
+
+    def due(self, step: int, wall_s: float) -> bool:
+        """Step ``step`` ended at ``wall_s`` training seconds: is a timed copy due?"""
+        self.last_wall = (step, wall_s)
+        return self.next_timed is not None and wall_s >= self.next_timed
+
+    async def timed(self) -> None:
+        """The weights after step ``n`` at ``wall_s`` training seconds, kept (never replaced) in
+        ``timed/t<wall_s>-s<n>``; the next is due at the next multiple of ``checkpoint_every_s``."""
+        every = self.cfg.checkpoint_every_s
+        if self.run_dir is None or self.last_wall is None or every is None:
+            return
+        start, (step, wall) = time.time(), self.last_wall
+        folder = self.run_dir / "timed" / f"t{wall:09.3f}-s{step:06d}"
+        if folder.exists():  # this step is saved already (the run's end)
+            return
+        await asyncio.to_thread(self.pt.model.save_pretrained, folder)
+        await asyncio.to_thread(self.pt.tokenizer.save_pretrained, folder)
+        self.next_timed = (wall // every + 1) * every
+        self.busy.add("checkpoint", start)
+        self.report("timed_checkpoint", step=step, wall_s=wall, path=str(folder),
+                    save_s=round(time.time() - start, 4))
+
+
 class Trainer(Sink):
     """Admits fresh groups, steps the policy, pushes weights and credits, evaluates, checkpoints;
-    the torch work and the sync run in threads, so groups keep arriving meanwhile."""
+    the torch work and the sync run in threads, so groups keep arriving meanwhile. ``admit``
+    replaces the admission rule (:data:`grpo_nb.ring_core.Admit`)."""
 
     name, sender = "trainer", "reference"
     timeout_field = "LLMConfig.finish_timeout_s"
     quiet_cancel = True  # cancelled while a worker thread computes
 
-    def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any) -> None:
+    def __init__(self, cfg: LLMConfig, spec: RingSpec, metrics: Any,
+                 admit: Admit | None = None) -> None:
         self.cfg, self.spec = cfg, spec
         self.finish_timeout_s = cfg.finish_timeout_s
         self.open_inlet(metrics)
-        # Process-wide settings belong to the trainer's process (its own one on Monarch).
-        torch.manual_seed(cfg.seed)
-        torch.set_num_threads(cfg.trainer_threads)
-        model, tok = load_policy(spec.resume_dir or spec.model_dir,
-                                 placement.trainer_device(cfg), placement.dtype_of(cfg))
-        self.pt = PolicyTrainer(model, tok, cfg)
-        resumed = self.pt.load(spec.resume_dir) if spec.resume_dir else {}
-        self.syncer = WeightSyncer(spec.server_url, model, placement.sync_of(cfg),
-                                   api_key=spec.api_key, salted=True)
-        self.deadline: float | None = None  # time.time() at which the time budget runs out
-        self.next_timed = cfg.checkpoint_every_s  # training seconds of the next timed copy
-        self.last_wall: tuple[int, float] | None = None  # the last step and its wall_s
+        self.ledger = Ledger(cfg.mode, cfg.max_ahead, cfg.prompts_per_step,
+                             max_staleness=cfg.max_staleness,
+                             dynamic_sampling=cfg.dynamic_sampling, admit=admit,
+                             report=self.report)
+        # Process-wide settings of the trainer's process (its own one on Monarch): put back as
+        # the trainer stops (__cleanup__), or at once if it fails to build.
+        with contextlib.ExitStack() as settings:
+            settings.enter_context(partition.torch_settings(cfg.trainer_threads, cfg.seed))
+            self.learner = Learner(cfg, spec, self.busy, self.report)
+            self.settings = settings.pop_all()
+        self.pt = self.learner.pt
+        self.ledger.restore(self.learner.resumed)
         self.stopping = asyncio.Event()
-        self.next_msg: asyncio.Future | None = None  # a receive still pending when stop came
-        self.issued = self.received = self.syncs = 0
-        self.dropped = int(resumed.get("dropped", 0))
-        self.dynamic = DynamicSampling(cfg.prompts_per_step,
-                                       total=int(resumed.get("dynamic_dropped", 0)))
 
     @endpoint
     async def start(self, generators: Any) -> None:
@@ -198,163 +276,69 @@ class Trainer(Sink):
         """Finish the current step, then drain, sync, evaluate and checkpoint."""
         self.stopping.set()
 
-    def _credit(self, generators: Any, issued: int) -> None:
-        """Let the ring have issued ``issued`` groups in all: the generators' credits."""
-        self.issued = issued
-        generators.progress.broadcast(self.pt.version, issued)
+    def keep(self, group: Group) -> bool:
+        """Train on ``group`` (by its oldest token's version)? The ledger credits a drop."""
+        return self.ledger.take(self.pt.step_count, group.policy_version, group.rewards)
 
     async def _train(self, generators: Any) -> None:
-        cfg = self.cfg
-        await self._sync(verify=True)  # the server starts from the base model: align + check
-        await self._eval()
-        outstanding = (1 + (cfg.max_ahead if cfg.mode == "async" else 0)) * cfg.prompts_per_step
-        self._credit(generators, outstanding)
+        cfg, pt, ledger, learner = self.cfg, self.pt, self.ledger, self.learner
+        await learner.sync(verify=True)  # the server starts from the base model: align + check
+        await learner.evaluate()
+        ledger.open(generators, pt.version)
         t0 = time.time()
-        self.deadline = None if cfg.time_budget_s is None else t0 + cfg.time_budget_s
-        while self.pt.step_count < cfg.steps and not self.stopping.is_set():
-            self.dynamic.new_step()
-            groups = await self._collect(generators)
-            if groups is None:  # stop requested, or the time budget ran out while waiting
+        deadline = None if cfg.time_budget_s is None else t0 + cfg.time_budget_s
+        while pt.step_count < cfg.steps and not self.stopping.is_set():
+            ledger.dynamic.new_step()
+            groups = await self.collect(cfg.prompts_per_step, self.keep, stopping=self.stopping,
+                                        deadline=deadline)
+            if groups is None:  # stop requested, the time budget ran out, or the stream ended
                 break
             start = time.time()
-            row = await asyncio.to_thread(self.pt.step, groups)
+            row = await asyncio.to_thread(pt.step, groups)
             self.busy.add("train", start)
             if "skipped" in row:  # non-finite: weights unchanged, nothing to sync
                 self.report("skipped", step=row["step"], reason=row["skipped"],
                             total=row["skipped_steps"])
-                if self.pt.skipped > cfg.error_budget:
-                    raise RingError(f"trainer: {self.pt.skipped} steps skipped for a non-finite "
-                                    f"loss or gradient (> LLMConfig.error_budget="
-                                    f"{cfg.error_budget}); last: {row['skipped']} at step "
-                                    f"{row['step'] + 1}")
-                self._credit(generators, self.received + outstanding)
+                if pt.skipped > cfg.error_budget:
+                    raise RingError(f"trainer: {pt.skipped} steps skipped for a non-finite loss "
+                                    f"or gradient (> LLMConfig.error_budget={cfg.error_budget});"
+                                    f" last: {row['skipped']} at step {row['step'] + 1}")
+                ledger.refill(pt.version)
                 continue
-            now = time.time()
-            row.update(**token_lags(groups, self.pt.step_count - 1),
-                       staleness=[self.pt.step_count - 1 - g.policy_version for g in groups],
-                       age_s=[now - g.t_submit for g in groups], dropped=self.dropped,
-                       train_s=now - start, wall_s=now - t0, version=self.pt.version,
-                       **self.dynamic.row())
-            self.report("step", **row)
-            self.last_wall = (self.pt.step_count, row["wall_s"])
-            if self.next_timed is not None and row["wall_s"] >= self.next_timed:
-                await self._timed_checkpoint()
-            if self.pt.step_count % cfg.sync_every == 0:
-                await self._sync()
-            self._credit(generators, self.received + outstanding)
-            if self.pt.step_count % cfg.eval_every == 0:
-                await self._eval()
-            if self.pt.step_count % cfg.checkpoint_every == 0:
-                await asyncio.to_thread(self._checkpoint)
+            now = time.time()  # the groups met the weights before the step: step_count - 1
+            self.report("step", **step_row(row, groups, pt.step_count - 1, ledger,
+                                           train_s=now - start, wall_s=now - t0),
+                        version=pt.version)
+            if learner.due(pt.step_count, now - t0):
+                await learner.timed()
+            if pt.step_count % cfg.sync_every == 0:
+                await learner.sync()
+            ledger.refill(pt.version)
+            if pt.step_count % cfg.eval_every == 0:
+                await learner.evaluate()
+            if pt.step_count % cfg.checkpoint_every == 0:
+                await asyncio.to_thread(learner.save, ledger.state())
         await self._finish(generators)
 
-    async def _collect(self, generators: Any) -> list[Group] | None:
-        """One step's admitted groups, or ``None`` once a stop or the time budget comes; a receive
-        then pending stays in ``next_msg`` for :meth:`_finish` (cancelling it could lose a group).
-        A stale group, and with ``dynamic_sampling`` one whose rewards are all equal (up to the
-        cap, :class:`~grpo_nb.ring.DynamicSampling`), is dropped and a replacement credited."""
-        groups: list[Group] = []
-        while len(groups) < self.cfg.prompts_per_step:
-            left = None if self.deadline is None else self.deadline - time.time()
-            if self.stopping.is_set() or (left is not None and left <= 0):
-                return None
-            if self.next_msg is None:
-                self.next_msg = asyncio.ensure_future(self.inbox.recv())
-            stop = asyncio.ensure_future(self.stopping.wait())
-            try:
-                await asyncio.wait({self.next_msg, stop}, timeout=left,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                stop.cancel()
-            if not self.next_msg.done():
-                continue  # stopped or out of time: checked at the top
-            group, self.next_msg = self.next_msg.result(), None
-            if group is None:  # the end of the stream
-                return None
-            self.received += 1
-            if admit(self.pt.step_count, group.policy_version, self.cfg.max_staleness):
-                if self.cfg.dynamic_sampling and self.dynamic.drops(group.rewards):
-                    self._credit(generators, self.issued + 1)  # all rewards equal: replace it
-                    continue
-                groups.append(group)
-                continue
-            self.dropped += 1
-            self._credit(generators, self.issued + 1)  # replace it, or the step never fills
-            self.report("dropped", step=self.pt.step_count,
-                        staleness=self.pt.step_count - group.policy_version, total=self.dropped)
-        return groups
-
-    async def _sync(self, *, verify: bool | None = None) -> None:
-        start = time.time()
-        self.syncs += 1
-        if verify is None:
-            verify = self.cfg.sync.verify and self.syncs % self.cfg.verify_every == 0
-        res = await asyncio.to_thread(self.syncer.sync, self.pt.step_count, verify=verify)
-        self.pt.version = res.version
-        if res.verified:
-            self.pt.last_verified = res.version
-        self.busy.add("sync", start)
-        self.report("sync", step=self.pt.step_count, version=res.version, ms=res.ms,
-                    bytes=res.bytes, verified=res.verified,
-                    phases={k: round(v, 2) for k, v in res.phases.items()})
-
-    async def _eval(self) -> None:
-        """Greedy accuracy on the held-out prompts, sampled by the server."""
-        if self.pt.version != self.pt.step_count:
-            await self._sync()  # evaluate the weights just trained, not the last synced ones
-        start = time.time()
-        async with _client(self.spec, 4, 600.0) as client:
-            res = await greedy_accuracy(client, self.spec.eval_prompts,
-                                        tasks.make_reward(self.spec.reward_default),
-                                        self.cfg.max_tokens,
-                                        cache_salt=policy_salt(self.pt.version))
-        self.busy.add("eval", start)
-        self.report("eval", step=self.pt.step_count, accuracy=res.accuracy, n=res.n,
-                    truncated=res.truncated, version=self.pt.version, pid=os.getpid())
-
-    def _checkpoint(self) -> None:
-        if self.spec.run_dir is not None:
-            self.pt.save(Path(self.spec.run_dir) / "checkpoint",
-                         {"dropped": self.dropped, "received": self.received,
-                          "dynamic_dropped": self.dynamic.total})
-
-    async def _timed_checkpoint(self) -> None:
-        """The weights after step ``n`` at ``wall_s`` training seconds, kept (never replaced) in
-        ``timed/t<wall_s>-s<n>``; the next is due at the next multiple of ``checkpoint_every_s``."""
-        every = self.cfg.checkpoint_every_s
-        if self.spec.run_dir is None or self.last_wall is None or every is None:
-            return
-        start, (step, wall) = time.time(), self.last_wall
-        folder = Path(self.spec.run_dir) / "timed" / f"t{wall:09.3f}-s{step:06d}"
-        if folder.exists():  # this step is saved already (the run's end)
-            return
-        await asyncio.to_thread(self.pt.model.save_pretrained, folder)
-        await asyncio.to_thread(self.pt.tokenizer.save_pretrained, folder)
-        self.next_timed = (wall // every + 1) * every
-        self.busy.add("checkpoint", start)
-        self.report("timed_checkpoint", step=step, wall_s=wall, path=str(folder),
-                    save_s=round(time.time() - start, 4))
-
     async def _finish(self, generators: Any) -> None:
+        pt, learner = self.pt, self.learner
         try:  # drain the generators, read to the end of the stream: groups left unused
             await self.drain_sources(generators, self.cfg.generators)
-            pending, self.next_msg = self.next_msg, None
-            first = await self.recv_within("the end of the stream", pending)
-            leftover = 0 if first is None else 1 + await self.discard_queued()
+            leftover = await self.discard_queued()
         except RingError:
-            await asyncio.to_thread(self._checkpoint)  # a dead peer must not cost the steps
+            await asyncio.to_thread(learner.save, self.ledger.state())  # keep the steps made
             raise
-        if self.pt.version != self.pt.step_count or self.pt.last_verified != self.pt.version:
-            await self._sync(verify=True)  # the run ends on verified weights
-        if self.pt.step_count % self.cfg.eval_every != 0:
-            await self._eval()
-        await asyncio.to_thread(self._checkpoint)
-        await self._timed_checkpoint()  # the last step's weights, when timed copies are on
+        if pt.version != pt.step_count or pt.last_verified != pt.version:
+            await learner.sync(verify=True)  # the run ends on verified weights
+        if pt.step_count % self.cfg.eval_every != 0:
+            await learner.evaluate()
+        await asyncio.to_thread(learner.save, self.ledger.state())
+        await learner.timed()  # the last step's weights, when timed copies are on
         self.busy.flush()  # before "exited": the controller stops listening then
-        self.report("exited", actor=self.name, dropped=self.dropped, leftover=leftover,
-                    steps=self.pt.step_count)
+        self.report("exited", actor=self.name, dropped=self.ledger.stale, leftover=leftover,
+                    steps=pt.step_count)
 
     async def __cleanup__(self, exc: Any) -> None:
-        await super().__cleanup__(exc)
-        await cancel_task(self.next_msg, quiet=True)
-        self.syncer.close()
+        await super().__cleanup__(exc)  # the loop, and a receive left pending
+        self.learner.syncer.close()
+        self.settings.close()

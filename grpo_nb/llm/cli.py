@@ -7,64 +7,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
 import time
-import typing
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-import pydantic
-
-from grpo_nb.config import InputError, preset, smoke_mode
+from grpo_nb.config import InputError, parse_sets, preset, smoke_mode
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.metrics import MetricsRecorder
-from grpo_nb.weight_sync import WeightSyncConfig
 
 _FIELDS = {f.name for f in fields(LLMConfig)}
 
 
-def _convert(cls: type, name: str, raw: str) -> Any:
-    """``raw`` read as ``cls``'s field ``name`` by its annotation (JSON first, then pydantic's
-    lax rules for text: ``yes``, ``1e-5``); errors name the field."""
-    hints = typing.get_type_hints(cls)
-    if name not in hints:
-        raise ValueError(f"--set {name}=…: {cls.__name__} has no field {name!r} (fields: "
-                         f"{', '.join(f.name for f in fields(cls))})")
-    hint, value = hints[name], None if raw.strip().lower() in ("none", "null") else raw
-    if hint is Any:  # the config validates it
-        return raw
-    adapter = pydantic.TypeAdapter(hint)
-    with contextlib.suppress(pydantic.ValidationError):
-        return adapter.validate_json(raw)
-    try:
-        return adapter.validate_python(value)
-    except pydantic.ValidationError:
-        shown = getattr(hint, "__name__", str(hint))
-        raise ValueError(f"--set {name}={raw!r}: {cls.__name__}.{name} expects {shown}") from None
-
-
 def apply_sets(cfg: LLMConfig, assignments: list[str],
                values: dict[str, Any] | None = None) -> LLMConfig:
-    """``cfg`` with ``values`` and then ``FIELD=VALUE`` assignments, both by field name
-    (``sync.FIELD``: the weight sync's), validated."""
-    values = dict(values or {})
-    for item in assignments:
-        name, eq, raw = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not eq or name in ("", "sync"):
-            raise ValueError(f"--set {item!r}: write FIELD=VALUE or sync.FIELD=VALUE")
-        field = name.removeprefix("sync.")
-        values[name] = _convert(LLMConfig if field == name else WeightSyncConfig, field, raw)
+    """``cfg`` with ``values`` and then ``FIELD=VALUE`` assignments (:func:`config.parse_sets`),
+    both by field name (``sync.FIELD``: the weight sync's), checked."""
+    values = {**(values or {}), **parse_sets(LLMConfig, assignments)}
+    if "sync" in values:
+        raise ValueError("--set sync=…: set the weight sync's fields one by one, sync.FIELD=VALUE")
     sync = {k.removeprefix("sync."): values.pop(k) for k in list(values) if k.startswith("sync.")}
     if sync:
         values["sync"] = {**asdict(cfg.sync), **sync}
-        if "pause_mode" not in sync and (cfg.sync.pause_mode == "none"
-                                         or "sync.pause_mode" in cfg.defaults):
-            # the ring's default pause mode, picked again for the transport (placement.ring_sync)
-            del values["sync"]["pause_mode"]
+        if "pause_mode" not in sync and (cfg.sync.pause_mode in ("none", None)
+                                         or "sync.pause_mode" in (cfg.defaults or {})):
+            values["sync"]["pause_mode"] = None  # the ring's for the transport (resolve)
     return cfg.replace(**values)
 
 
@@ -84,11 +53,11 @@ def _parser(command: str, description: str) -> argparse.ArgumentParser:
 def _configure(parser: argparse.ArgumentParser, args: argparse.Namespace,
                cfg: LLMConfig) -> LLMConfig:
     """``cfg`` with each flag given whose ``dest`` is a field (or ``sync.FIELD``), then the
-    ``--set`` ones; a bad value exits with the usage."""
+    ``--set`` ones, resolved (:meth:`LLMConfig.resolve`); a bad value exits with the usage."""
     flags = {k: v for k, v in vars(args).items()
              if v is not None and (k in _FIELDS or k.startswith("sync."))}
     try:
-        return apply_sets(cfg, args.set, flags)
+        return apply_sets(cfg, args.set, flags).resolve()
     except ValueError as err:
         parser.error(str(err))
 

@@ -5,6 +5,7 @@ does not pause the server. ``busy`` rows are not read, so a recorded run gives t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,3 +114,150 @@ def loop_seconds(rows: Iterable[Row]) -> float:
     """The training loop's wall time, the first step's start to the last step's end."""
     steps = [r for r in rows if r["kind"] == "step"]
     return steps[-1]["t"] - (steps[0]["t"] - steps[0]["wall_s"]) if steps else 0.0
+
+
+# --- GPU memory of the single-GPU plan (trainer and vLLM server on one card), from shapes ---
+
+GIB = 1 << 30
+KV_MARGIN = 1.2  # KV cache a server gets over its in-flight sequences at full context
+KV_EXTRA_SEQS = 64  # sequences beyond the generators' requests: evaluation and probes
+# vLLM's memory besides weights and KV cache (CUDA context, its profile run's activations and
+# the sampler's float32 logits, CUDA graphs): an estimate; gpu_check.py --probe measures it
+SERVER_OVERHEAD = 2 * GIB
+TRAINER_CONTEXT = GIB // 2  # the trainer process's CUDA context and kernels
+TRAINER_MARGIN = 1.1  # the caching allocator's rounding and fragmentation over the counted peak
+CARDS_GB = (24, 48, 80, 141)  # decimal GB (1e9 B): a card's usable memory is at least that
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The fields of a Qwen3-style decoder's ``config.json`` that decide its memory."""
+
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool = True  # lm_head shares the embedding (one matrix, counted once)
+
+    @classmethod
+    def from_hf(cls, c: Mapping[str, Any]) -> ModelShape:
+        c = c.get("text_config", c)
+        heads = c["num_attention_heads"]
+        return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], vocab=c["vocab_size"],
+                   heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                   intermediate=c.get("intermediate_size", 4 * c["hidden_size"]),
+                   tied=bool(c.get("tie_word_embeddings", True)))
+
+    @property
+    def params(self) -> int:
+        """Parameters: embedding (and an untied head), per layer q/k/v/o, gate/up/down, two
+        RMSNorms and the q/k norms, and the final norm."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = 2 * h * q + 2 * h * kv + 3 * h * self.intermediate + 2 * h + 2 * self.head_dim
+        return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """K and V of every layer for one token (Qwen3-0.6B in bf16: 114,688 B)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
+
+    def layer_saved_per_token(self) -> int:
+        """Bytes one decoder layer saves for its backward per token under bf16 autocast (counted
+        with ``torch.autograd.graph.saved_tensors_hooks``, SDPA without a padding mask: float32
+        norm inputs and outputs, bf16 projection inputs and outputs, attention's q, k, v,
+        output and per-head log-sum-exp; tests/test_cost.py recounts it)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return (26 * self.hidden + 8 * self.intermediate + 10 * q + 10 * kv
+                + 8 * self.heads + 4 * self.kv_heads + 8)
+
+
+QWEN3 = {  # the Qwen3 family's config.json fields
+    "Qwen3-0.6B": ModelShape(1024, 28, 151936, 16, 8, 128, 3072),
+    "Qwen3-1.7B": ModelShape(2048, 28, 151936, 16, 8, 128, 6144),
+    "Qwen3-4B": ModelShape(2560, 36, 151936, 32, 8, 128, 9728),
+    "Qwen3-8B": ModelShape(4096, 36, 151936, 32, 8, 128, 12288, tied=False)}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes of one GPU holding the trainer (float32 masters, AdamW, bf16 autocast, gradient
+    checkpointing, chunked log-probs) and the vLLM server; ``*_terms`` name each part."""
+
+    trainer_terms: dict[str, int]
+    server_terms: dict[str, int]
+
+    @property
+    def trainer_peak(self) -> int:
+        return sum(self.trainer_terms.values())
+
+    @property
+    def server_need(self) -> int:
+        return sum(self.server_terms.values())
+
+    def fits(self, card_bytes: int) -> bool:
+        """Trainer peak (with ``TRAINER_MARGIN``) beside the server's share, on one card."""
+        share = server_fraction(self.server_need, card_bytes) * card_bytes
+        return share + TRAINER_MARGIN * self.trainer_peak <= card_bytes
+
+
+def server_fraction(need_bytes: int, card_bytes: int) -> float:
+    """A server's ``gpu_memory_utilization`` on a card: its need, rounded up to 0.01."""
+    return math.ceil(100 * need_bytes / card_bytes) / 100
+
+
+def server_terms(shape: ModelShape, server_seqs: int, context: int, dtype: str
+                 ) -> dict[str, int]:
+    """vLLM's need: weights in ``dtype``, and a KV cache for ``server_seqs`` requests in flight
+    (+ ``KV_EXTRA_SEQS``) at ``context`` tokens each, times ``KV_MARGIN``; ``SERVER_OVERHEAD``."""
+    kv = KV_MARGIN * (server_seqs + KV_EXTRA_SEQS) * context * shape.kv_bytes_per_token(dtype)
+    return {"weights": _DTYPE_BYTES[dtype] * shape.params, "kv_cache": int(kv),
+            "overhead": SERVER_OVERHEAD}
+
+
+def memory_plan(shape: ModelShape, *, sequences: int, prompt_len: int, completion_len: int,
+                server_seqs: int, serve_dtype: str = "bfloat16") -> MemoryPlan:
+    """The single-GPU plan's memory for ``sequences`` of ``prompt_len + completion_len`` tokens
+    in one micro-batch, and a server with ``server_seqs`` requests in flight.
+
+    Trainer: 12 B a parameter always (float32 weights, AdamW's two moments), the residual
+    stream's float32 checkpoints (each layer's input and the final norm's), then the larger of
+    the forward's end (bf16 copies of every weight in autocast's cache, the log-prob head's
+    chunk) and backward (float32 gradients, one layer recomputed, or the head's chunk and its
+    weight's float32 gradient and bf16 copy), and the 4-D float32 padding mask."""
+    from grpo_nb.logprobs import default_chunk
+
+    p, h, v = shape.params, shape.hidden, shape.vocab
+    context = prompt_len + completion_len
+    tokens = sequences * context
+    rows = sequences * completion_len  # the completion positions the head scores
+    chunk = min(default_chunk(v), rows) * v  # logits of one chunk
+    residual = (shape.layers + 1) * tokens * h * 4
+    forward = 2 * p + 10 * chunk  # bf16 weights; bf16 logits, float32 scores and probs
+    layer = tokens * (shape.layer_saved_per_token() + 8 * h)  # + the residual's two gradients
+    head = 6 * v * h + 8 * chunk  # float32 gradient + bf16 copy; float32 scores, two bf16
+    trainer = {"weights_adam": 12 * p, "checkpoints": residual,
+               "peak_phase": max(forward, 4 * p + max(layer, head)),
+               "head_rows": 2 * rows * h * 4, "mask": 4 * sequences * context ** 2,
+               "context": TRAINER_CONTEXT}
+    return MemoryPlan(trainer, server_terms(shape, server_seqs, prompt_len + completion_len,
+                                            serve_dtype))
+
+
+def memory_rows() -> list[str]:
+    """README's memory table (``| model | batch | trainer peak | server | 24 | 48 | 80 | 141 |``):
+    the GPU run's batch (8 prompts) and the CLI default's (16), 8 completions, 256 + 256 tokens,
+    2 generators × 64 requests in flight."""
+    out = []
+    for name, shape in QWEN3.items():
+        for prompts in (8, 16):
+            plan = memory_plan(shape, sequences=prompts * 8, prompt_len=256, completion_len=256,
+                               server_seqs=2 * 64)
+            fits = ["yes" if plan.fits(int(gb * 1e9)) else "no" for gb in CARDS_GB]
+            out.append(f"| {name} | {prompts} × 8 × (256 + 256) | "
+                       f"{plan.trainer_peak / GIB:.1f} GiB | {plan.server_need / GIB:.1f} GiB | "
+                       + " | ".join(fits) + " |")
+    return out

@@ -10,18 +10,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from grpo_nb.llm import cost
 from grpo_nb.partition import cuda_available
 from grpo_nb.weight_sync import WeightSyncConfig
 
 DTYPE_ATOL = {"float32": 1e-3, "bfloat16": 0.15}  # probe log-prob gap trainer vs server
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 CPU_KV_MIN, CPU_KV_MAX = 64 << 20, 4 << 30
+OWN_GPU_FRACTION = 0.85  # the server's share of a GPU the trainer does not use
+SHARED_GPU_FALLBACK = 0.35  # its share of a shared GPU when the model's shape is unknown
 
 
-def check_placement(cfg: Any) -> None:
-    """The model, device, dtype, transport and server-size fields of ``cfg``."""
-    model = cfg.model
-    if model is not None:  # None: the tiny model
+def check_model(model: Any) -> None:
+    """``LLMConfig.model``: None (the tiny model), a folder with a config.json, or a hub id."""
+    if model is not None:
         if not isinstance(model, str) or not model.strip():
             raise ValueError(f"LLMConfig.model={model!r}: give a model folder or a hub id")
         if Path(model).expanduser().exists():
@@ -31,11 +33,10 @@ def check_placement(cfg: Any) -> None:
         elif model.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(model):
             raise ValueError(f"LLMConfig.model={model!r}: no such folder, and not a hub id "
                              "('owner/name', e.g. 'Qwen/Qwen3-0.6B')")
-    if cfg.kv_cache_mb is not None and cfg.kv_cache_mb < 1:
-        raise ValueError(f"LLMConfig.kv_cache_mb={cfg.kv_cache_mb}: must be >= 1 (or None)")
-    gmu = cfg.gpu_memory_utilization
-    if gmu is not None and not 0.0 < gmu <= 1.0:
-        raise ValueError(f"LLMConfig.gpu_memory_utilization={gmu}: use (0, 1] (or None)")
+
+
+def check_placement(cfg: Any) -> None:
+    """The device and transport fields of ``cfg`` against the devices here (resolve's check)."""
     if cfg.device == "cuda" and not cuda_available():
         raise ValueError("LLMConfig.device='cuda': no CUDA device here (use 'auto' or 'cpu')")
     if device_of(cfg) == "cpu" and cfg.sync.transport in ("nccl", "ipc"):
@@ -109,34 +110,58 @@ def sync_of(cfg: Any) -> WeightSyncConfig:
                    atol=max(cfg.sync.atol, DTYPE_ATOL[dtype_of(cfg)]))
 
 
-def _kv_bytes_per_token(model_dir: str, dtype: str) -> int | None:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():  # a hub id: vLLM reads it; the CPU default applies
-        return None
-    c = json.loads(path.read_text())
-    c = c.get("text_config", c)
-    heads = c.get("num_key_value_heads") or c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * heads * head_dim * (2 if dtype == "bfloat16" else 4)
+def model_shape(model: str) -> cost.ModelShape | None:
+    """The model's shape from its folder's ``config.json``, a hub id's cached one (no
+    network), or :data:`cost.QWEN3` by name; None when none of them knows it."""
+    path = Path(model) / "config.json"
+    if not path.is_file() and _HUB_ID.fullmatch(model):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json")
+        path = Path(cached) if isinstance(cached, str) else path
+    if path.is_file():
+        return cost.ModelShape.from_hf(json.loads(path.read_text()))
+    return cost.QWEN3.get(model.rsplit("/", 1)[-1])
+
+
+def gpu_total_bytes() -> int:
+    """The first visible GPU's memory (the one the server runs on)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def shared_gpu_fraction(shape: cost.ModelShape | None, cfg: Any) -> float:
+    """The server's ``gpu_memory_utilization`` when it shares the one GPU with the trainer: its
+    need (:func:`cost.server_terms` for the ring's requests) over the card, rounded up to 0.01;
+    ``SHARED_GPU_FALLBACK`` for a model whose shape is unknown here."""
+    if shape is None:
+        return SHARED_GPU_FALLBACK
+    need = sum(cost.server_terms(shape, cfg.generators * cfg.max_inflight, cfg.context_len,
+                                 dtype_of(cfg)).values())
+    return min(cost.server_fraction(need, gpu_total_bytes()), OWN_GPU_FRACTION)
 
 
 def server_config(model_dir: str, cfg: Any) -> Any:
     """The :class:`~grpo_nb.serving.server.ServerConfig` this run needs (not started)."""
     from grpo_nb.serving.server import ServerConfig
 
+    cfg = cfg.resolve()  # max_tokens and the sync's pause mode (a resolved config: as it is)
     context = cfg.context_len
     device, dtype = device_of(cfg), dtype_of(cfg)
     scfg = ServerConfig(model=str(model_dir), max_model_len=context, dtype=dtype, device=device)
     if cfg.kv_cache_mb is not None:
         scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
     elif device == "cpu":  # every sequence in flight (+ eval and probes) at full context, bounded
-        per_token = _kv_bytes_per_token(model_dir, dtype)
-        seqs = cfg.generators * cfg.max_inflight + 64
-        want = CPU_KV_MIN if per_token is None else int(1.2 * seqs * context * per_token)
+        shape = model_shape(str(model_dir))
+        want = CPU_KV_MIN if shape is None else cost.server_terms(
+            shape, cfg.generators * cfg.max_inflight, context, dtype)["kv_cache"]
         scfg.kv_cache_bytes = min(max(want, CPU_KV_MIN), CPU_KV_MAX)
     if device != "cpu":
         own_gpu = gpu_count() >= 2
-        scfg.gpu_memory_utilization = cfg.gpu_memory_utilization or (0.85 if own_gpu else 0.35)
+        scfg.gpu_memory_utilization = cfg.gpu_memory_utilization or (
+            OWN_GPU_FRACTION if own_gpu else shared_gpu_fraction(model_shape(str(model_dir)),
+                                                                  cfg))
         if own_gpu:  # the trainer takes the last GPU, the server the first this process sees
             first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
             scfg.env = {**scfg.env, "CUDA_VISIBLE_DEVICES": first or "0"}

@@ -127,6 +127,7 @@ class PolicyTrainer:
     def __init__(self, model: Any, tokenizer: Any, cfg: LLMConfig) -> None:
         from grpo_nb.llm.placement import dtype_of
 
+        cfg = cfg.resolve()  # a resolved config is kept as it is
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.serve_dtype: torch.dtype = getattr(torch, dtype_of(cfg))
         model.float()  # in place: whoever holds the model (the syncer) sees the masters

@@ -16,7 +16,7 @@ import torch
 from grpo_nb import grpo
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Prompt, Rollout
-from grpo_nb.serving.client import CompletionsClient, policy_salt
+from grpo_nb.serving.client import Completion, CompletionsClient, policy_salt
 
 # fp32 on both sides: vLLM's and transformers' kernels agree far inside this (measured ≈ 1e-5;
 # on CUDA the server's attention is IEEE fp32 too: ServerConfig.environment).
@@ -60,17 +60,60 @@ def token_versions(labels: Sequence[str] | None, n_tokens: int, fallback: int) -
     return [int(x) if x.lstrip("-").isdigit() else fallback for x in labels]
 
 
+async def generate(client: CompletionsClient, prompt_ids: Sequence[int], params: dict[str, Any],
+                   *, kv: str = "keep", version: Callable[[], int] = lambda: 0
+                   ) -> list[Completion]:
+    """One ``/inference/v1/generate`` request (``params``: :meth:`CompletionsClient.generate`'s).
+    ``kv="recompute"`` (``WeightSyncConfig.kv``): each choice a sync aborted is resubmitted, once
+    per sync, as prompt + the token ids it produced with ``n`` 1 and the ``max_tokens`` left,
+    salted for ``version()`` then; vLLM queues it until the sync's ``/resume``, so every token
+    after the sync is computed over KV the new weights made. The parts are joined: ids, log-probs,
+    version labels, text. ``"keep"``: the choices as the server ended them."""
+    outs = await client.generate(list(prompt_ids), **params)
+    if kv != "recompute":
+        return outs
+    return list(await asyncio.gather(*(_resumed(client, list(prompt_ids), o, params, version, k)
+                                       for k, o in enumerate(outs))))
+
+
+async def _resumed(client: CompletionsClient, prompt_ids: list[int], out: Completion,
+                   params: dict[str, Any], version: Callable[[], int], k: int) -> Completion:
+    """``out`` (choice ``k``) continued until it ends other than by an abort."""
+    budget = int(params.get("max_tokens", 16))  # CompletionsClient.generate's default
+    v = version()
+    while out.finish_reason == "abort" and len(out.token_ids) < budget:
+        w = version()
+        more_params = {**params, "n": 1, "max_tokens": budget - len(out.token_ids),
+                       "cache_salt": policy_salt(w)}
+        if params.get("seed") is not None:  # a sample of its own, reproducible
+            more_params["seed"] = params["seed"] + 1 + k + len(out.token_ids)
+        (more,) = await client.generate(prompt_ids + out.token_ids, **more_params)
+        out = Completion(out.token_ids + more.token_ids, out.logprobs + more.logprobs,
+                         out.text + more.text, more.finish_reason, out.latency_s + more.latency_s,
+                         out.prompt_token_ids, _labels(out, v) + _labels(more, w))
+        v = w
+    if out.finish_reason == "abort":  # cut at its last token: what it would have ended as
+        out.finish_reason = "length"
+    return out
+
+
+def _labels(out: Completion, version: int) -> list[str]:
+    return out.versions if out.versions is not None else [str(version)] * len(out.token_ids)
+
+
 async def sample_group(client: CompletionsClient, prompt: Prompt, cfg: LLMConfig,
                        version: Callable[[], int] = lambda: 0, *, group_id: int = 0,
                        source: str = "", seed: int | None = None,
                        on_abort: Callable[[], None] | None = None) -> Group:
     """``cfg.group_size`` completions of ``prompt``, unscored, each token with the weight
     version that sampled it (a sync during the request splits a completion between two);
-    ``version()`` is the trainer's version at submit (the cache salt). A group the server aborted
-    (``pause_mode="abort"``) is incomplete: it is sampled again (``on_abort``)."""
+    ``version()`` is the trainer's version at submit (the cache salt). With ``cfg.sync.kv``
+    ``"recompute"`` a completion cut by a sync is resubmitted (:func:`generate`); else a group the
+    server aborted (``pause_mode="abort"``) is incomplete: it is sampled again (``on_abort``)."""
     while True:
         v, start = version(), time.time()
-        outs = await client.generate(prompt.ids, **sampling_request(cfg, v, seed))
+        outs = await generate(client, prompt.ids, sampling_request(cfg, v, seed),
+                              kv=cfg.sync.kv, version=version)
         if not any(o.finish_reason == "abort" for o in outs):
             break
         if on_abort is not None:

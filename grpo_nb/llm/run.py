@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ from grpo_nb.llm.data import RingSpec, load_data
 from grpo_nb.llm.policy import resolve_checkpoint
 from grpo_nb.llm.summary import RunResult, summarize
 from grpo_nb.metrics import MetricsRecorder
-from grpo_nb.ring import Controller, Event, RingError
+from grpo_nb.ring import Controller, Event, Ring, RingError
+from grpo_nb.ring_core import Admit
 from grpo_nb.serving.processes import wait_exit
 from grpo_nb.tiny_model import build_or_load
 
@@ -66,15 +67,17 @@ class ServerWatch:
 
 @contextlib.contextmanager
 def trainer_cores(cfg: LLMConfig, server: Any, backend: str) -> Iterator[partition.Plan]:
-    """Within it, a CPU trainer in this process runs on the cores a pinned server leaves free."""
+    """Within it, a CPU trainer in this process runs on the cores a pinned server leaves free;
+    the plan states the torch threads the trainer sets (``cfg.trainer_threads``)."""
     from grpo_nb.llm.placement import trainer_device
 
     if backend != "asyncio":
-        p = partition.Plan(None, None, None, "the trainer runs in a process of its own")
+        p = partition.Plan(why="the trainer runs in a process of its own")
     elif trainer_device(cfg) != "cpu":
-        p = partition.Plan(None, None, None, "the trainer runs on a GPU")
+        p = partition.Plan(why="the trainer runs on a GPU")
     else:
         p = partition.beside(getattr(server, "cpus", None))
+    p = replace(p, trainer_threads=cfg.trainer_threads)
     with partition.pinned(p):
         yield p
 
@@ -84,11 +87,26 @@ async def _forward_stop(stop: asyncio.Event, trainer: Any) -> None:
     await trainer.request_stop.call_one()
 
 
+STAGES = {"generators": Generator, "scorer": Scorer, "reference": Reference, "trainer": Trainer}
+
+
+async def start_ring(ring: Controller, cfg: LLMConfig, spec: RingSpec, *,
+                     admit: Admit | None = None) -> Ring:
+    """Spawn and wire the LLM ring's four stages under ``ring`` (the trainer with ``admit``,
+    None: :func:`grpo_nb.ring_core.admit`); on Monarch the trainer gets a process of its own
+    (its torch threads, its GPU), else every stage but the generators runs in this one."""
+    own = {"trainer": ring.procs(1)} if ring.backend == "monarch" else {}
+    return await ring.start_ring(STAGES, (cfg, spec), generators=cfg.generators, procs=own,
+                                 admit=admit)
+
+
 async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, server: Any = None,
                    on_event: Callable[[str, MetricsRecorder], None] | None = None,
-                   stop: asyncio.Event | None = None, backend: str = "asyncio") -> dict[str, Any]:
-    """Spawn the ring, relay its events into ``rec`` (then ``on_event(kind, rec)``) until the
-    trainer exits; ``stop`` ends it after the current step. Returns the trainer's exit data."""
+                   stop: asyncio.Event | None = None, backend: str = "asyncio",
+                   admit: Admit | None = None) -> dict[str, Any]:
+    """Spawn the ring (:func:`start_ring`, the trainer with ``admit``), relay its events into
+    ``rec`` (then ``on_event(kind, rec)``) until the trainer exits; ``stop`` ends it after the
+    current step. Returns the trainer's exit data."""
     if stop is not None and not isinstance(stop, asyncio.Event):
         raise TypeError(f"stop must be an asyncio.Event, got {type(stop).__name__}")
     watch = ServerWatch(server) if server is not None else None
@@ -102,15 +120,7 @@ async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, serv
         with trainer_cores(cfg, server, backend) as plan:
             rec.log("partition", plan=plan.describe(), active=plan.active)
             async with Controller(backend, rec) as ring:
-                here = ring.procs(here=True)
-                # On Monarch the trainer gets its own process (its torch threads, its GPU).
-                own = ring.procs(1) if backend == "monarch" else here
-                trainer = ring.spawn(own, "trainer", Trainer, cfg, spec, ring.metrics)
-                scorer = ring.spawn(here, "scorer", Scorer, cfg, spec, ring.metrics)
-                reference = ring.spawn(here, "reference", Reference, cfg, spec, ring.metrics)
-                gens = ring.spawn(ring.procs(cfg.generators), "generators", Generator, cfg, spec,
-                                  await scorer.inlet.call_one(), ring.metrics)
-                await ring.wire(gens, scorer, reference, trainer)
+                trainer = (await start_ring(ring, cfg, spec, admit=admit)).trainer
                 watchers = [*([watch.died(lambda: len(rec.rows("step")))] if watch else []),
                             *([_forward_stop(stop, trainer)] if stop is not None else [])]
                 exited = await ring.relay(
@@ -126,13 +136,15 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
                 resume: str | Path | None = None, server: Any = None,
                 on_event: Callable[[str, MetricsRecorder], None] | None = None,
                 stop: asyncio.Event | None = None, backend: str = "asyncio",
-                smoke: bool | None = None, progress: bool = True) -> RunResult:
+                smoke: bool | None = None, progress: bool = True,
+                admit: Admit | None = None) -> RunResult:
     """Run GRPO on ``model_dir`` (else ``cfg.model``, else the tiny model) into ``runs/<name>/``;
-    without a ``server`` (which must serve it) one is started and always stopped."""
+    without a ``server`` (which must serve it) one is started and always stopped. ``admit``:
+    the trainer's admission rule (None: :func:`grpo_nb.ring_core.admit`)."""
     smoke = smoke_mode() if smoke is None else smoke
     model = str(model_dir or cfg.model  # neither: the tiny model, built once and cached
                 or await asyncio.to_thread(build_or_load, progress=progress))
-    cfg = cfg.replace(model=model) if cfg.model != model else cfg
+    cfg = (cfg.replace(model=model) if cfg.model != model else cfg).resolve()
     if resume is not None:
         run_dir = Path(resume)
         resolve_checkpoint(run_dir / "checkpoint")  # none: fail before a server starts
@@ -157,7 +169,7 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
                         reward_default=data.reward_default, api_key=server.api_key)
         t0 = time.perf_counter()
         out = await run_ring(cfg, spec, rec, server=server, on_event=on_event, stop=stop,
-                             backend=backend)
+                             backend=backend, admit=admit)
         wall = time.perf_counter() - t0
     finally:
         if own:

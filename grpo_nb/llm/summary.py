@@ -49,7 +49,7 @@ class RunResult:
 
 def summarize(rec: MetricsRecorder, cfg: LLMConfig, wall_s: float, dropped: int) -> RunResult:
     evals, syncs, steps = rec.rows("eval"), rec.rows("sync"), rec.rows("step")
-    defaults, data = dict(cfg.defaults), rec.rows("data")
+    defaults, data = dict(cfg.defaults or {}), rec.rows("data")
     given = cfg.chat_template_kwargs or {}
     chosen = {k: v for k, v in (data[0].get("chat_template_kwargs") or {}).items()
               if k not in given} if data else {}

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from grpo_nb.config import NonNegFloat, NonNegInt, PosFloat, PosInt, check_fields
 from grpo_nb.serving.net import auth_headers, env_api_key
 
 # Every sampling field vLLM could fill from the model folder's generation_config.json, at its
@@ -87,18 +88,14 @@ class Completion:
 class ClientConfig:
     """Client limits; ``retries`` applies to connection errors only."""
 
-    max_in_flight: int = 32
-    timeout_s: float = 120.0
-    retries: int = 3
-    backoff_s: float = 0.25
-    api_key: str | None = field(default_factory=env_api_key, repr=False)
+    max_in_flight: PosInt = 32  # requests at once (a semaphore)
+    timeout_s: PosFloat = 120.0  # one request's bound
+    retries: NonNegInt = 3  # extra tries after a connection error
+    backoff_s: NonNegFloat = 0.25  # the first retry's wait, doubled for each next one
+    api_key: str | None = field(default_factory=env_api_key, repr=False)  # sent as Bearer
 
     def __post_init__(self) -> None:
-        for name, ok, rule in (("max_in_flight", self.max_in_flight >= 1, "≥ 1"),
-                               ("timeout_s", self.timeout_s > 0, "> 0"),
-                               ("retries", self.retries >= 0, "≥ 0")):
-            if not ok:
-                raise ValueError(f"ClientConfig.{name}={getattr(self, name)}: must be {rule}")
+        check_fields(self)
 
 
 class CompletionsClient:

@@ -16,11 +16,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 # httpx and psutil (grpo_nb.serving.processes) are imported where a server is reached or
 # started: ServerConfig alone (placement, the GPU probe) needs neither
-from grpo_nb.config import cache_dir, env_flag, runs_dir
+from grpo_nb.config import Fraction, Ge, Le, PosFloat, cache_dir, check_fields, env_flag, runs_dir
 from grpo_nb.partition import cuda_available, format_cpus, parse_cpus, plan
 from grpo_nb.serving.net import auth_headers, env_api_key, free_port, http, is_loopback
 
@@ -32,23 +32,23 @@ EAGER_ENV = "GRPO_NB_SERVER_EAGER"  # "1": every server starts eager (the test s
 class ServerConfig:
     """How to run ``vllm serve``; ``None`` fields take CPU or GPU defaults at start time."""
 
-    model: str = ""
-    host: str = "127.0.0.1"
-    port: int = 0
-    dtype: str | None = None
-    device: str = "auto"  # "cpu", "cuda"; "auto": CUDA where torch sees it
-    max_model_len: int = 512
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.5
-    api_key: str | None = field(default_factory=env_api_key, repr=False)
+    model: str = ""  # a model folder or hub id (required at start)
+    host: str = "127.0.0.1"  # the address served on (not loopback: api_key, no dev_mode)
+    port: Annotated[int, Ge(0), Le(65535)] = 0  # 0: a free port picked at start
+    dtype: str | None = None  # vLLM's --dtype; None: float32 on the CPU, auto on a GPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # "auto": CUDA where torch sees it
+    max_model_len: Annotated[int, Ge(8)] = 512  # the longest prompt + completion served
+    kv_cache_bytes: Annotated[int, Ge(1 << 20)] | None = None  # None: vLLM's default
+    gpu_memory_utilization: Fraction = 0.5  # vLLM's share of the GPU's memory
+    api_key: str | None = field(default_factory=env_api_key, repr=False)  # guards /v1 routes
     name: str | None = None  # a starting server replaces a running one of the same name
-    log_dir: Path | str | None = None
-    startup_timeout: float = 600.0
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    dev_mode: bool = True
-    worker_extension_cls: str | None = None
-    weight_transfer_config: dict[str, Any] | None = None
+    log_dir: Path | str | None = None  # where its log goes; None: runs/vllm/
+    startup_timeout: PosFloat = 600.0  # seconds until it must answer /health
+    extra_args: list[str] = field(default_factory=list)  # more `vllm serve` flags
+    env: dict[str, str] = field(default_factory=dict)  # more environment for the server
+    dev_mode: bool = True  # VLLM_SERVER_DEV_MODE: /pause, /update_weights, /collective_rpc
+    worker_extension_cls: str | None = None  # vLLM's --worker-extension-cls
+    weight_transfer_config: dict[str, Any] | None = None  # vLLM's --weight-transfer-config
     cpus: str | list[int] = "auto"  # pins the server tree: "auto", "off" or core ids
     # skip torch.compile: a sooner start, slower generation (pays for short-lived servers)
     eager: bool = field(default_factory=lambda: env_flag(EAGER_ENV))
@@ -59,16 +59,7 @@ class ServerConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field (run again at start: fields may change)."""
-        for name, ok, rule in (
-                ("port", 0 <= self.port <= 65535, "0 (pick a free port) .. 65535"),
-                ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
-                ("max_model_len", self.max_model_len >= 8, "≥ 8"),
-                ("kv_cache_bytes", (self.kv_cache_bytes or 1 << 20) >= 1 << 20, "≥ 1 MiB"),
-                ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "(0, 1]"),
-                ("startup_timeout", self.startup_timeout > 0, "> 0"),
-                ("extra_args", all(isinstance(a, str) for a in self.extra_args), "strings")):
-            if not ok:
-                raise ValueError(f"ServerConfig.{name}={getattr(self, name)!r}: use {rule}")
+        check_fields(self)
         for flag, name in (("--host", "host"), ("--api-key", "api_key"),
                            ("--enforce-eager", "eager")):
             if any(a.split("=")[0] == flag for a in self.extra_args):

@@ -6,12 +6,15 @@ import dataclasses
 import random
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from annotated_types import MinLen
+
+from grpo_nb.config import Ge, Le, PosInt, check_fields
 
 if TYPE_CHECKING:
     import datasets
 
-OPS = ("+", "-")
 ARITHMETIC_NAME = re.compile(r"arithmetic(?::(?P<digits>\d+)digits?)?(?::(?P<ops>[+-]+))?")
 
 
@@ -19,21 +22,15 @@ ARITHMETIC_NAME = re.compile(r"arithmetic(?::(?P<digits>\d+)digits?)?(?::(?P<ops
 class ArithmeticTaskConfig:
     """Two zero-padded ``digits``-digit operands, ``ops`` from ``("+", "-")``, distinct problems."""
 
-    digits: int = 3
-    ops: tuple[str, ...] = ("+",)
-    n_train: int = 20_000
-    n_test: int = 1_000
-    seed: int = 0
+    digits: Annotated[int, Ge(1), Le(9)] = 3  # per operand, zero-padded
+    ops: Annotated[tuple[Literal["+", "-"], ...], MinLen(1)] = ("+",)  # drawn uniformly
+    n_train: PosInt = 20_000  # distinct training problems
+    n_test: PosInt = 1_000  # distinct test problems, none in the training split
+    seed: int = 0  # the problems' draw
 
     def __post_init__(self) -> None:
         self.ops = tuple(self.ops)
-        if not 1 <= self.digits <= 9:
-            raise ValueError(f"ArithmeticTaskConfig.digits={self.digits}: use 1..9")
-        if not self.ops or any(op not in OPS for op in self.ops):
-            raise ValueError(f"ArithmeticTaskConfig.ops={self.ops}: use a subset of {OPS}")
-        if self.n_train < 1 or self.n_test < 1:
-            raise ValueError(f"ArithmeticTaskConfig.n_train={self.n_train}, "
-                             f"n_test={self.n_test}: need ≥ 1 each")
+        check_fields(self)
         space = len(self.ops) * (10**self.digits) ** 2
         if self.n_train + self.n_test > space // 2:
             raise ValueError(f"ArithmeticTaskConfig.n_train + n_test = "

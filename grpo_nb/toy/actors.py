@@ -13,7 +13,8 @@ import torch
 
 from grpo_nb import grpo
 from grpo_nb.actors import endpoint, send
-from grpo_nb.ring import DynamicSampling, Relay, Sink, Source
+from grpo_nb.ring import Relay, Sink, Source
+from grpo_nb.ring_core import Admit, Ledger, staleness
 from grpo_nb.toy.task import (
     Group,
     ToyConfig,
@@ -101,20 +102,22 @@ class Reference(Relay):
 
 class Trainer(Sink):
     """Takes ``groups_per_step`` groups per step (with ``dynamic_sampling``, ones whose rewards
-    differ: :meth:`_collect`), one GRPO update, then new weights and credits out."""
+    differ: :class:`~grpo_nb.ring_core.Ledger`), one GRPO update, then new weights and credits
+    out. ``admit`` is refused: the toy ring has no staleness bound and admits every group."""
 
     name, sender = "trainer", "reference"
 
-    def __init__(self, cfg: ToyConfig, metrics: Any) -> None:
+    def __init__(self, cfg: ToyConfig, metrics: Any, admit: Admit | None = None) -> None:
         self.cfg = cfg
         self.policy = build_policy(cfg, seed=cfg.seed)
         self.opt = torch.optim.Adam(self.policy.parameters(), lr=cfg.lr)
         eval_gen = torch.Generator().manual_seed(cfg.seed + 4242)
         self.eval_obs = torch.randn(cfg.eval_states, cfg.obs_dim, generator=eval_gen)
         self.eval_best = best_arm(build_teacher(cfg), self.eval_obs)
-        self.dynamic = DynamicSampling(cfg.groups_per_step)
-        self.received = self.issued = 0  # groups received, and credited to the generators
         self.open_inlet(metrics)
+        self.ledger = Ledger(cfg.mode, cfg.max_ahead, cfg.groups_per_step,
+                             dynamic_sampling=cfg.dynamic_sampling, admit=admit,
+                             report=self.report)
 
     @endpoint
     async def snapshot(self) -> dict:
@@ -125,13 +128,14 @@ class Trainer(Sink):
         self.launch(self._train(generators))
 
     async def _train(self, generators: Any) -> None:
-        cfg = self.cfg
-        # async: keep 1 + max_ahead steps' worth outstanding; sync: one step's, after the update.
-        outstanding = (1 + (cfg.max_ahead if cfg.mode == "async" else 0)) * cfg.groups_per_step
-        self.issued = outstanding
-        send(generators.progress, (0, outstanding), {}, selection="all")
+        cfg, ledger = self.cfg, self.ledger
+        ledger.open(generators, 0)
         for step in range(cfg.steps):
-            groups = await self._collect(generators, step)
+            ledger.dynamic.new_step()
+            groups = await self.collect(
+                cfg.groups_per_step, lambda g, step=step: ledger.take(step, g.version, g.rewards))
+            if groups is None:  # the stream ended: only a drain sends its end
+                break
             depth = self.inbox.qsize() if hasattr(self.inbox, "qsize") else None  # not on Monarch
             start = time.time()
             row = self._step(step, groups)
@@ -139,28 +143,12 @@ class Trainer(Sink):
                 await asyncio.sleep(cfg.train_delay_s)  # see ToyConfig.train_delay_s
             send(generators.update_weights, (step + 1, copy.deepcopy(self.policy.state_dict())), {},
                  selection=cfg.selection)
-            self.issued = self.received + outstanding
-            send(generators.progress, (step + 1, self.issued), {}, selection="all")
+            ledger.refill(step + 1)  # after the weights: they arrive before their credits
             self.busy.add("train", start)
-            self.report("step", **row, **self.dynamic.row(), queue_depth=depth)
+            self.report("step", **row, **ledger.dynamic.row(), queue_depth=depth)
             await asyncio.sleep(0)  # let update_weights / metrics go out between steps
         await self.drain_sources(generators, cfg.generators)
         self.report("exited", actor=self.name, dropped=await self.discard_queued())
-
-    async def _collect(self, generators: Any, step: int) -> list[Group]:
-        """The step's groups; with ``dynamic_sampling`` one whose rewards are all equal is
-        dropped and a replacement credited, up to the cap (:class:`~grpo_nb.ring.DynamicSampling`)."""
-        self.dynamic.new_step()
-        groups: list[Group] = []
-        while len(groups) < self.cfg.groups_per_step:
-            group = await self.inbox.recv()
-            self.received += 1
-            if self.cfg.dynamic_sampling and self.dynamic.drops(group.rewards):
-                self.issued += 1
-                send(generators.progress, (step, self.issued), {}, selection="all")
-                continue
-            groups.append(group)
-        return groups
 
     def _step(self, step: int, groups: list[Group]) -> dict[str, Any]:
         cfg = self.cfg
@@ -194,7 +182,7 @@ class Trainer(Sink):
             **{k: m[k] for k in ("cispo_clip_frac", "delta_clip_frac", "off_policy_masked_frac")},
             "zero_std_groups": grpo.zero_std_groups(rewards, cfg.group_size),
             "zero_std_frac": grpo.zero_std_fraction(rewards, cfg.group_size),
-            "staleness": [step - g.version for g in groups],
+            "staleness": [staleness(step, g.version) for g in groups],
             "sources": [g.source for g in groups],
             "age_s": [time.time() - g.created for g in groups],
         }

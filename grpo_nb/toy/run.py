@@ -27,12 +27,13 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from grpo_nb.actors import MONARCH_MISSING, monarch_available
-from grpo_nb.config import preset, unique_run_name
+from grpo_nb.config import parse_sets, preset, unique_run_name
 from grpo_nb.live import save_figure
 from grpo_nb.metrics import MetricsRecorder
+from grpo_nb.partition import torch_settings
 from grpo_nb.ring import Controller, Event
 from grpo_nb.toy.actors import Generator, Reference, Scorer, Trainer
-from grpo_nb.toy.task import ToyConfig, decode_time
+from grpo_nb.toy.task import ToyConfig, build_policy, decode_time
 
 
 @dataclass
@@ -78,20 +79,28 @@ def summarize(rec: MetricsRecorder, cfg: ToyConfig, wall_s: float, dropped: int 
 
 async def run_ring(cfg: ToyConfig, recorder: MetricsRecorder | None = None,
                    on_step: Callable[[MetricsRecorder], None] | None = None) -> RingResult:
-    """Train ``cfg.steps`` steps (``on_step(recorder)`` after each), stop every actor; a summary."""
+    """Train ``cfg.steps`` steps (``on_step(recorder)`` after each), stop every actor; a summary.
+    Torch runs one intra-op thread meanwhile (the caller's count is restored after): the toy's
+    tensors are tiny, and on a loaded 2-core machine a second thread waiting for a busy core
+    made the ring 4-9x slower (60 steps: 15-32 s against 3.4 s)."""
+    with torch_settings(threads=1):
+        return await _run_ring(cfg, recorder, on_step)
+
+
+async def _run_ring(cfg: ToyConfig, recorder: MetricsRecorder | None,
+                    on_step: Callable[[MetricsRecorder], None] | None) -> RingResult:
+    weights = build_policy(cfg, seed=cfg.seed).state_dict()  # the trainer's first weights
     async with Controller(cfg.backend, recorder, stop_timeout_s=10.0) as ctl:
-        gen_procs = ctl.procs(cfg.generators)
         if cfg.layout == "per_role":
-            trainer_procs, scorer_procs, ref_procs = ctl.procs(), ctl.procs(), ctl.procs()
+            procs = {role: ctl.procs() for role in ("trainer", "scorer", "reference")}
         else:  # scorer, reference and trainer share one process
-            trainer_procs = scorer_procs = ref_procs = ctl.procs()
-        trainer = ctl.spawn(trainer_procs, "trainer", Trainer, cfg, ctl.metrics)
-        weights = await trainer.snapshot.call_one()
-        scorer = ctl.spawn(scorer_procs, "scorer", Scorer, cfg, ctl.metrics)
-        reference = ctl.spawn(ref_procs, "reference", Reference, cfg, weights, ctl.metrics)
-        gens = ctl.spawn(gen_procs, "generators", Generator, cfg, weights,
-                         await scorer.inlet.call_one(), ctl.metrics)
-        await ctl.wire(gens, scorer, reference, trainer)
+            procs = dict.fromkeys(("trainer", "scorer", "reference"), ctl.procs())
+        stages = {"generators": Generator, "scorer": Scorer, "reference": Reference,
+                  "trainer": Trainer}
+        args = {"generators": (cfg, weights), "scorer": (cfg,), "reference": (cfg, weights),
+                "trainer": (cfg,)}
+        await ctl.start_ring(stages, args, generators=cfg.generators,
+                             procs={**procs, "generators": ctl.procs(cfg.generators)})
         t0 = time.perf_counter()
 
         def relayed(event: Event) -> None:
@@ -209,11 +218,18 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--kl-coef", type=float, help="KL coefficient")
     parser.add_argument("--smoke", action="store_true", help="the small CI preset (also GRPO_NB_SMOKE=1)")
     parser.add_argument("--name", help="run folder name under runs/ (default: toy-<backend>-<time>)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="any ToyConfig field (repeatable), e.g. --set lr=0.05; last wins")
     args = parser.parse_args(argv)
 
     cfg = preset(ToyConfig, args.smoke or None)
     overrides = {"steps": args.steps, "generators": args.generators, "kl_coef": args.kl_coef}
-    cfg = replace(cfg, seed=args.seed, backend=args.backend, **{k: v for k, v in overrides.items() if v is not None})
+    try:
+        cfg = replace(cfg, **{"seed": args.seed, "backend": args.backend,
+                              **{k: v for k, v in overrides.items() if v is not None},
+                              **parse_sets(ToyConfig, args.set)})
+    except ValueError as err:
+        parser.error(str(err))
     if cfg.backend == "monarch" and not monarch_available():
         print(MONARCH_MISSING, file=sys.stderr)
         return 2

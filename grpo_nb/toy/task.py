@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from grpo_nb.config import Ge, Lt, NonNegFloat, NonNegInt, PosFloat, PosInt, check_fields
 from grpo_nb.grpo import (
-    ADV_SCALES,
-    KL_KINDS,
     SAPO_TEMPERATURE_NEG,
     SAPO_TEMPERATURE_POS,
     AdvScale,
@@ -26,25 +25,26 @@ from grpo_nb.grpo import (
 
 @dataclass(frozen=True)
 class ToyConfig:
-    """Everything the toy ring needs (validated; errors name the field). ``smoke()``: the CI size."""
+    """Everything the toy ring needs, each field checked against its annotation
+    (:func:`grpo_nb.config.check_fields`; errors name the field). ``smoke()``: the CI size."""
 
-    steps: int = 400
-    generators: int = 4
-    group_size: int = 8  # G samples of the same state form one GRPO group
-    groups_per_step: int = 4  # groups per trainer step (batch B = groups_per_step x G)
-    obs_dim: int = 4
-    arms: int = 4
-    hidden: int = 32
-    lr: float = 0.02
-    clip: float = 0.2
-    kl_coef: float = 0.02
-    kl_kind: KLKind = "k3"
+    steps: PosInt = 400  # trainer steps
+    generators: PosInt = 4  # generator actors, each sampling whole groups
+    group_size: Annotated[int, Ge(2)] = 8  # G samples of the same state form one GRPO group
+    groups_per_step: PosInt = 4  # groups per trainer step (batch B = groups_per_step x G)
+    obs_dim: PosInt = 4  # size of a state (the "prompt")
+    arms: Annotated[int, Ge(2)] = 4  # actions to choose from (random policy: reward 1/arms)
+    hidden: PosInt = 32  # width of the MLP policy's hidden layer
+    lr: PosFloat = 0.02  # Adam's learning rate
+    clip: Annotated[float, Ge(0), Lt(1)] = 0.2  # PPO's clip, both bounds (and CISPO's cap)
+    kl_coef: NonNegFloat = 0.02  # weight of the KL penalty to the reference policy
+    kl_kind: KLKind = "k3"  # the KL estimator (grpo.kl_penalty)
     adv_scale: AdvScale = "std"  # "none": no division by the group's std (Dr. GRPO)
     # TRL GRPOConfig's names and meanings, as LLMConfig's (grpo.policy_loss; clip is both
     # bounds, and CISPO's cap on the weight r): loss_type None is PPO-clip; with one token per
     # sample every aggregation is the mean, and "sequence" (GSPO) equals "token".
     loss_type: LossType | None = None
-    importance_sampling_level: ISLevel = "token"
+    importance_sampling_level: ISLevel = "token"  # one ratio per token or per sequence
     off_policy_mask_threshold: float | None = None  # drop A < 0 samples drifted beyond it
     delta: float | None = None  # INTELLECT-2's cap on r for A < 0
     sapo_temperature_pos: float = SAPO_TEMPERATURE_POS  # SAPO's gate temperature for A > 0
@@ -52,43 +52,23 @@ class ToyConfig:
     # DAPO's dynamic sampling, as LLMConfig's (ring.DynamicSampling): a group whose rewards are
     # all equal is dropped and replaced, at most ring.DYNAMIC_DROP_CAP × groups_per_step a step.
     dynamic_sampling: bool = False
-    seed: int = 0
-    # Simulated decode time per group (an MLP samples in microseconds) and its log-normal tail.
-    gen_delay_s: float = 0.02
-    gen_delay_tail: float = 0.0
-    # Simulated time of a trainer step beyond its tiny computation.
-    train_delay_s: float = 0.0
+    seed: int = 0  # policy init, states and teacher
+    gen_delay_s: NonNegFloat = 0.02  # simulated decode time per group (an MLP samples in µs)
+    gen_delay_tail: NonNegFloat = 0.0  # sigma of its mean-1 log-normal tail (decode_time)
+    train_delay_s: NonNegFloat = 0.0  # simulated time of a trainer step beyond its computation
     # Credits: "async" keeps 1 + max_ahead steps' worth of groups issued, "sync" one step's worth.
     mode: Literal["async", "sync"] = "async"
-    max_ahead: int = 2
-    eval_states: int = 512
+    max_ahead: NonNegInt = 2  # steps' worth of groups issued beyond the current one (async)
+    eval_states: PosInt = 512  # held-out states the greedy policy is evaluated on
     # New weights go to ONE generator picked at random (as in Monarch's example), or to "all".
     selection: Literal["choose", "all"] = "choose"
-    backend: Literal["asyncio", "monarch"] = "asyncio"
+    backend: Literal["asyncio", "monarch"] = "asyncio"  # actors in this process, or on Monarch
     # A process mesh per role (K + 3 processes on Monarch), or scorer, reference, trainer in one.
     layout: Literal["per_role", "shared"] = "per_role"
     optimum: ClassVar[float] = 1.0  # the expected reward of always picking the paying arm
 
     def __post_init__(self) -> None:
-        lows = {**dict.fromkeys(("steps", "generators", "groups_per_step", "obs_dim", "hidden",
-                                 "eval_states"), 1), "group_size": 2, "arms": 2,
-                **dict.fromkeys(("kl_coef", "gen_delay_s", "gen_delay_tail", "train_delay_s",
-                                 "max_ahead"), 0)}
-        for name, low in lows.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"ToyConfig.{name} must be >= {low}, got {getattr(self, name)}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"ToyConfig.lr must be a positive number, got {self.lr}")
-        if not isinstance(self.dynamic_sampling, bool):
-            raise ValueError(f"ToyConfig.dynamic_sampling must be True or False, got "
-                             f"{self.dynamic_sampling!r}")
-        if not 0 <= self.clip < 1:
-            raise ValueError(f"ToyConfig.clip must be in [0, 1), got {self.clip}")
-        for name, allowed in (("kl_kind", KL_KINDS), ("adv_scale", ADV_SCALES),
-                              ("mode", ("async", "sync")), ("selection", ("choose", "all")),
-                              ("backend", ("asyncio", "monarch")), ("layout", ("per_role", "shared"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"ToyConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        check_fields(self)
         check_objective(loss_type=self.loss_type,
                         importance_sampling_level=self.importance_sampling_level,
                         off_policy_mask_threshold=self.off_policy_mask_threshold,

@@ -6,14 +6,17 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 
+from grpo_nb.config import NonNegFloat, PosFloat, PosInt, check_fields
+
 Transport = Literal["gloo", "reload", "nccl", "ipc"]
 PauseMode = Literal["keep", "wait", "abort", "none"]
+KVMode = Literal["keep", "recompute"]
 EXTENSION = "grpo_nb.weight_sync.worker.GrpoWorkerExtension"
-SEND_DTYPES = ("float32", "bfloat16", "float16")
+SendDtype = Literal["float32", "bfloat16", "float16"]
 # The slowest rate a transfer's bytes are assumed to move at: a verified sync digests every byte
 # on the worker (verify.digest: a copy to the CPU, then blake2b on one core), which ran at
 # 0.2 GB/s on this project's 2-core CPU machine under load (a 64 MiB bf16 tensor); half that
@@ -27,33 +30,35 @@ class WeightSyncConfig:
 
     transport: Transport = "gloo"  # CPU: gloo (our engine), reload (from disk); GPU: nccl, ipc
     # requests in flight: keep (frozen, continued on new weights), wait (drained), abort;
-    # none: no /pause (CPU engines update between two steps)
-    pause_mode: PauseMode = "keep"
+    # none: no /pause (CPU engines update between two steps); None: LLMConfig.resolve picks
+    # the ring's for the transport and device
+    pause_mode: PauseMode | None = "keep"
+    # requests decoding when a sync lands: keep (they go on over the KV the old weights computed,
+    # so their later tokens come from new weights attending to stale keys and values) or
+    # recompute (the sync aborts them and the sampler resubmits prompt + the tokens they made,
+    # llm/rollouts.generate: every later token over KV the new weights computed); with
+    # pause_mode none or keep
+    kv: KVMode = "keep"
     verify: bool = True  # check that the server received exactly the trainer's weights
-    send_dtype: str | None = None  # what tensors travel (and are checked) in; None: the server's
+    send_dtype: SendDtype | None = None  # what tensors travel (and are checked) in; None: the server's
     # bounds each control-plane HTTP call (pause, RPCs, the version); what a transfer's time
     # grows with (the weight-update calls, the transfer group, a reload's load, the send as a
     # whole) gets transfer_timeout(bytes) instead: this, or longer for a large model
-    timeout_s: float = 20.0
-    atol: float = 1e-3  # what the teaching probe (weight_gap) is read against; verify is exact
-    probe_batch: int = 4  # the probe's number of sequences
-    probe_len: int = 32  # and their length
+    timeout_s: PosFloat = 20.0
+    atol: NonNegFloat = 1e-3  # what the teaching probe (weight_gap) is read against; verify is exact
+    probe_batch: PosInt = 4  # the probe's number of sequences
+    probe_len: PosInt = 32  # and their length
 
     def __post_init__(self) -> None:
-        for name, allowed in (("transport", get_args(Transport)),
-                              ("pause_mode", get_args(PauseMode))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"WeightSyncConfig.{name}={getattr(self, name)!r}: use one of "
-                                 f"{', '.join(map(repr, allowed))}")
+        check_fields(self)
         if self.pause_mode == "none" and self.transport not in ("gloo", "reload"):
             raise ValueError(f"WeightSyncConfig.pause_mode='none' needs a CPU transport "
                              f"('gloo' or 'reload'), not {self.transport!r}: only vLLM's CPU "
                              "engine surely runs the update between two steps (use 'keep')")
-        if self.send_dtype is not None and self.send_dtype not in SEND_DTYPES:
-            raise ValueError(f"WeightSyncConfig.send_dtype={self.send_dtype!r}: use None (the "
-                             f"server's dtype) or one of {', '.join(SEND_DTYPES)}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"WeightSyncConfig.timeout_s={self.timeout_s}: must be > 0")
+        if self.kv == "recompute" and self.pause_mode in ("wait", "abort"):
+            raise ValueError(f"WeightSyncConfig.kv='recompute' needs pause_mode 'none' or 'keep', "
+                             f"not {self.pause_mode!r}: with 'abort' the sampler resamples a cut "
+                             "group, with 'wait' no request runs at a sync")
 
     def transfer_timeout(self, nbytes: int) -> float:
         """Seconds one transfer of ``nbytes`` may take: ``timeout_s``, or ``nbytes`` at

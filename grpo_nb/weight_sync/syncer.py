@@ -127,10 +127,13 @@ class WeightSyncer:
                     self.client.collective_rpc("grpo_abort_update",
                                                timeout=self.transfer_limit())
             self.connect()
-            if self.cfg.pause_mode != "none":
+            # kv="recompute": the running requests end here, their tokens returned for the
+            # sampler to resubmit, and vLLM queues what arrives until /resume (new weights)
+            pause = "abort" if self.cfg.kv == "recompute" else self.cfg.pause_mode
+            if pause != "none":
                 paused = True  # resume after any attempted /pause
                 with phases("pause"):
-                    self.client.pause(self.cfg.pause_mode)
+                    self.client.pause(pause)
             touched = True  # from here on the served weights may be half-new
             self._transfer(str(version), phases, record)
             self.dirty = None

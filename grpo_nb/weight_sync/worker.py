@@ -22,6 +22,18 @@ from grpo_nb.weight_sync.verify import digest
 ALIGN = 16  # bytes: every receive slot starts aligned, so it is viewed as its dtype, no copy
 
 
+def receive_slots(info: gloo.GlooUpdateInfo, buffer: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One slot per tensor of ``info`` in ``buffer`` (a new one unless it has the size), each
+    padded to ``ALIGN`` bytes: the buffer and the slots."""
+    sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+             for dtype, shape in zip(info.dtype_names, info.shapes, strict=True)]
+    padded = [(n + ALIGN - 1) // ALIGN * ALIGN for n in sizes]
+    if buffer is None or buffer.numel() != sum(padded):
+        buffer = torch.empty(sum(padded), dtype=torch.uint8)
+    return buffer, [slot[:n] for slot, n in zip(buffer.split(padded), sizes, strict=True)]
+
+
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     """Worker-side engine: receives every tensor into a persistent buffer, loads per layer;
     its update starts and finishes as vLLM's NCCL engine's (layerwise reload)."""
@@ -47,20 +59,11 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         # worker; every receive has been waited on when receive_weights returns.
         self.receive_weights(self.parse_update_info(update_info))
 
-    def _slots(self, info: gloo.GlooUpdateInfo) -> list[torch.Tensor]:
-        """One slot per tensor in the persistent buffer, each padded to ``ALIGN`` bytes."""
-        sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-                 for dtype, shape in zip(info.dtype_names, info.shapes, strict=True)]
-        padded = [(n + ALIGN - 1) // ALIGN * ALIGN for n in sizes]
-        if self.buffer is None or self.buffer.numel() != sum(padded):
-            self.buffer = torch.empty(sum(padded), dtype=torch.uint8)
-        return [slot[:n] for slot, n in zip(self.buffer.split(padded), sizes, strict=True)]
-
     def receive_weights(self, update_info: gloo.GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: call "
                                "/init_weight_transfer_engine first")
-        slots = self._slots(update_info)
+        self.buffer, slots = receive_slots(update_info, self.buffer)
         # Post every receive now: gloo's threads fill the slots while this thread loads.
         works = [self.group.broadcast(slot, 0) for slot in slots]
         status = torch.zeros(1, dtype=torch.int32)
@@ -134,12 +137,6 @@ def _recorder(worker: Any) -> _Recorder:
 
 class GrpoWorkerExtension:
     """Mixed into vLLM's worker class; every method name must be new to that class."""
-
-    def grpo_meta_tensors(self) -> list[str]:
-        """Names of model tensors left on the meta device (a forward pass would fail)."""
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        tensors = [*model.named_parameters(), *model.named_buffers()]
-        return [name for name, t in tensors if t.is_meta]
 
     def grpo_reload_weights(self, weights_path: str) -> None:
         """vLLM's ``reload_weights`` from a safetensors folder, then the tied heads rebuilt."""
