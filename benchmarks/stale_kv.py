@@ -177,13 +177,12 @@ def measure(server: Any, model_dir: str, *, lrs: Sequence[float] = (3e-4, 3e-3, 
                 run[f"{kv}_gap"], run[f"{kv}_max"] = cut["gap"], cut["max"]
                 run[f"{kv}_tokens"], run[f"{kv}_cut"] = cut["tokens"], cut["cut"]
                 run[f"{kv}_requests"], run[f"{kv}_sync_ms"] = len(calls), round(ms, 1)
-                # the floor: the same prompts under W1 alone, no sync while they decode
-                calls = []
-                floor = asyncio.run(_sample(server, prompts, params, kv, lambda v=version: v, calls))
-                run.setdefault("floor", []).extend(
-                    g for c in gaps(floor, prompts, {version: new}, temperature) for _, g in c)
+                if kv == "keep":  # the floor: the same prompts under W1 alone, no sync meanwhile
+                    again = asyncio.run(_sample(server, prompts, params, kv,
+                                                lambda v=version: v, []))
+                    floor = [g for c in gaps(again, prompts, {version: new}, temperature)
+                             for _, g in c]
             version += 1
-        floor = run.pop("floor")
         run["floor_gap"], run["floor_max"], run["floor_tokens"] = _mean(floor), max(floor), \
             len(floor)
         for kv in ("keep", "recompute"):

@@ -1,6 +1,6 @@
 """The ring core both trainers keep (:class:`Ledger`): the credits, each group's staleness and
 its admission, and DAPO's dynamic sampling (:class:`DynamicSampling`). Plain arithmetic, no
-actors: notebook 05's Exercise 4 has the learner write :func:`admit` and :func:`issued`.
+actors: notebook 05's Exercise 2 has the learner write :func:`admit` and :func:`issued`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/record_nb05.py     # on a quiet machine: the step times are the lesson
 
 ``nb05-async`` and ``nb05-sync`` (sections 6 and 7) are 05's ``cfg`` (its smoke preset, float32)
-with ``--steps`` and ``--time-budget``, the second in sync mode; ``nb05-stale0`` is Exercise 2's
+with ``--steps`` and ``--time-budget``, the second in sync mode; ``nb05-stale0`` is Exercise 3's
 ``short`` run of that ``cfg`` (the ``workshop`` group). The ``dynamic`` group is ``nb05-async``'s
 config with one field changed: ``nb05-dynamic-off`` / ``nb05-dynamic-on`` (``dynamic_sampling``
 False / True, back to back) and ``nb05-binds`` (``max_ahead=2, max_staleness=1``: groups sampled
@@ -65,9 +65,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="the runs to record (default %(default)s; the other group's "
                              "folders and README block are left as they are)")
     parser.add_argument("--stale0-steps", type=int, default=10,
-                        help="nb05-stale0's steps (Exercise 2: %(default)s)")
+                        help="nb05-stale0's steps (Exercise 3: %(default)s)")
     parser.add_argument("--stale0-budget", type=float, default=60.0,
-                        help="nb05-stale0's time budget (Exercise 2: %(default)s)")
+                        help="nb05-stale0's time budget (Exercise 3: %(default)s)")
     parser.add_argument("--full", action="store_true",
                         help="05's full preset instead of its smoke preset")
     parser.add_argument("--out", type=Path, default=SHIPPED, help="default: %(default)s")
@@ -79,7 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def notebook_configs(args: argparse.Namespace) -> dict[str, LLMConfig]:
-    """The chosen groups' runs: section 1's ``cfg`` (longer), section 7's sync, Exercise 2's
+    """The chosen groups' runs: section 1's ``cfg`` (longer), section 7's sync, Exercise 3's
     ``short``; ``cfg`` without and with dynamic sampling, and with ``max_ahead`` past
     ``max_staleness``."""
     cfg = preset(LLMConfig, smoke=not args.full).replace(
@@ -197,7 +197,7 @@ def cost_model(out: Path) -> dict[str, float]:
 def readme_block(command: str, box: dict[str, Any], runs: list[dict[str, Any]],
                  commands: dict[str, str], model: dict[str, float], full: bool,
                  total_s: float) -> str:
-    where = {"nb05-async": "section 6", "nb05-sync": "section 7", "nb05-stale0": "Exercise 2"}
+    where = {"nb05-async": "section 6", "nb05-sync": "section 7", "nb05-stale0": "Exercise 3"}
     lines = [MARKS["workshop"][0], "", f"Recorded {box['date']} (commit {box['commit']}, vLLM {box['vllm']}, "
              f"torch {box['torch']}) with", "", f"    {command}", "",
              f"on {box['nproc']} cores ({box['cpu']}), {box['mem_gib']} GiB, load average "

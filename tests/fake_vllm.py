@@ -314,7 +314,7 @@ class FakeVLLM:
         version = self.weight_version  # every token of a request that ran between two syncs
         choices = [{"index": i, "finish_reason": s.finish_reason, "stop_reason": None,
                     "token_ids": s.token_ids,
-                    "weight_versions": [{"version": version, "begin": 0,
+                    "weight_versions": [{"version": version, "start": 0,
                                          "end": len(s.token_ids)}],
                     "logprobs": {"content": [
                         {"token": f"token_id:{t}", "logprob": lp, "bytes": None,

@@ -26,17 +26,32 @@ from grpo_nb.actors import (
 class Sleeper(Actor):
     def __init__(self) -> None:
         self.calls = 0
+        self.inside = self.peak = 0  # naps running now, and at most so far
+
+    async def _nap(self, seconds: float) -> None:
+        self.inside += 1
+        self.peak = max(self.peak, self.inside)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.inside -= 1
 
     @endpoint
     async def nap(self, seconds: float) -> int:
         self.calls += 1
-        await asyncio.sleep(seconds)
+        await self._nap(seconds)
         return current_rank().rank
 
     @concurrent_endpoint
     async def nap_together(self, seconds: float) -> float:
-        await asyncio.sleep(seconds)
+        await self._nap(seconds)
         return seconds
+
+    @endpoint
+    async def take_peak(self) -> int:
+        """The most naps that ran at once since the last call."""
+        peak, self.peak = self.peak, 0
+        return peak
 
     @endpoint
     async def fail(self) -> None:
@@ -60,20 +75,20 @@ def run(coro):
 
 
 def test_one_message_at_a_time_unless_concurrent() -> None:
-    async def main() -> tuple[float, float]:
+    async def main() -> tuple[float, int, int]:
         actor = this_proc().spawn("s", Sleeper)
         t0 = time.perf_counter()
         await asyncio.gather(actor.nap.call_one(0.3), actor.nap.call_one(0.3))
         serial = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        await asyncio.gather(actor.nap_together.call_one(0.3), actor.nap_together.call_one(0.3))
-        overlapped = time.perf_counter() - t0
+        alone = await actor.take_peak.call_one()
+        await asyncio.gather(actor.nap_together.call_one(1.0), actor.nap_together.call_one(1.0))
+        together = await actor.take_peak.call_one()
         await actor.stop()
-        return serial, overlapped
+        return serial, alone, together
 
-    serial, overlapped = run(main())
-    assert serial >= 0.58, "two plain endpoint calls on one actor must not overlap"
-    assert overlapped < 0.55, "concurrent_endpoint calls should overlap"
+    serial, alone, together = run(main())
+    assert serial >= 0.58 and alone == 1, "two plain endpoint calls on one actor must not overlap"
+    assert together == 2, "concurrent_endpoint calls should overlap"
 
 
 def test_call_call_one_choose_broadcast() -> None:

@@ -53,6 +53,7 @@ def test_resolve_returns_a_new_config_and_its_defaults(monkeypatch) -> None:
     monkeypatch.setattr(placement, "cuda_available", lambda: False)
     cfg = LLMConfig(overlong="soft", sync={"transport": "reload"})
     before = cfg.to_dict()
+    assert cfg.sync.pause_mode == "auto"  # a sync dict without one: the ring's, at resolve
     resolved = cfg.resolve()
     assert resolved is not cfg and cfg.to_dict() == before and cfg.defaults is None
     assert (resolved.lr, resolved.max_tokens, resolved.overlong_buffer, resolved.loss_agg,

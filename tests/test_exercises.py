@@ -235,7 +235,7 @@ def test_05_ex1_token_loss(learning_mode: None) -> None:
 
 def test_05_ex3_stale0_config(learning_mode: None) -> None:
     async def scenario() -> None:
-        ns = {"cfg": preset(LLMConfig).replace(dtype="float32")}  # as the notebook's cfg
+        ns = {"cfg": preset(LLMConfig).replace(dtype="float32").resolve()}  # as the notebook's
         with contextlib.redirect_stdout(io.StringIO()):
             ns = await run_cells(NB05, ["29ba6a79", "af63411e"], ns)
         await judge("05_ex3", ns["stale0_problems"], ns, "stale0_config", {
@@ -681,6 +681,28 @@ def test_05_ex2_admit_and_credits(learning_mode: None) -> None:
         assert await verdict("05_ex2", checker, right), "the solution fails"
 
     asyncio.run(scenario())
+
+
+def test_05_walkthrough_quotes_the_running_code() -> None:
+    """05's walk-through of the trainer's loop quotes its lines (every backticked span with a
+    call in its two markdown cells): each must be in the source its code cells print."""
+    from grpo_nb import ring_core
+    from grpo_nb.llm import actors as llm_actors
+
+    printed = [llm_actors.Trainer._train, llm_actors.Trainer.keep, ring_core.Ledger.take,
+               ring_core.admit, ring_core.Ledger.refill, ring_core.issued, llm_actors.Learner.sync]
+    for cell_id in ("5e0c7a12", "5e0c7a14"):  # the cells print exactly these
+        names = re.findall(r"getsource\(([\w.]+)\)", cell_source(NB05, cell_id))
+        assert names, cell_id
+    code = " ".join(" ".join(inspect.getsource(f).split()) for f in printed)
+    quoted = [q for cell_id in ("5e0c7a11", "5e0c7a13")
+              for q in re.findall(r"`([^`]+)`", cell_source(NB05, cell_id)) if "(" in q]
+    assert len(quoted) >= 8, quoted
+    for q in quoted:
+        for piece in " ".join(q.split()).split("…"):
+            piece = piece.strip(" ,)")
+            if piece:
+                assert piece in code or piece.rstrip(")") in code, f"not in the code: {piece!r}"
 
 
 def test_05_self_check_names_the_sections_not_run() -> None:

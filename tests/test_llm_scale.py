@@ -318,24 +318,21 @@ def _wait_for_checkpoint(cli: subprocess.Popen, state: Path, within_s: float = 9
 @pytest.mark.slow
 def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic, tmp_path,
                                                                        monkeypatch) -> None:
-    """The CLI end to end, on a model and data it did not create, with an API key set and
-    every proxy variable at a dead port (no NO_PROXY: each loopback call must bypass it, from
-    the start's /health wait on; test_loopback_proxy.py); two runs, each starting its own
-    server. (1) A long sync run at T = 0.7: its server answers only keyed /v1 requests;
-    SIGKILLed after its first checkpoint, the server's watchdog ends the vLLM tree within
-    15 s and at most one step is lost. (2) ``--resume`` two more steps:
+    """The CLI end to end, on a model and data it did not create, with an API key set; two
+    runs, each starting its own server. (1) A long sync run at T = 0.7: its server answers
+    only keyed /v1 requests; SIGKILLed after its first checkpoint, the server's watchdog ends
+    the vLLM tree within 15 s and at most one step is lost. (2) ``--resume`` two more steps:
     the JSON summary comes last, the weights are verified, the PPO ratio of fresh samples
     is 1 at T = 0.7, prompts use the chat template, every held-out prompt is evaluated, and
     no server is left."""
     import psutil
     from keyed_checks import check_keyed_server
-    from test_loopback_proxy import proxied_env
 
     from grpo_nb.metrics import load_metrics
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)  # the test's own clients start unkeyed
     key = "test-key-" + os.urandom(8).hex()
-    env = {**proxied_env(dict(os.environ)), "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1",
+    env = {**os.environ, "GRPO_NB_RUNS": str(tmp_path), "GRPO_NB_SMOKE": "1",
            "VLLM_API_KEY": key}
     shape = ["--model", realistic.model, "--dataset", realistic.data, "--smoke",
              "--name", "real", "--mode", "sync", "--set", "max_tokens=24", "--set",

@@ -1,10 +1,10 @@
 """Loopback HTTP ignores proxies: every httpx client the package makes has ``trust_env=False``,
 so ``HTTP_PROXY`` & co. (a cluster's, set without ``NO_PROXY=127.0.0.1``) never receive the
 requests meant for the server on loopback. With every proxy variable pointing at a dead port,
-the package's clients still reach a loopback server. The command line runs under the same
-dead proxies where it already meets a real server: ``rollouts --attach`` (test_rollouts.py) and
-``train``, which starts its server, waits for ``/health``, samples, syncs and evaluates
-(test_llm_scale.py): no server is started for this file alone.
+the package's clients still reach a loopback server (a server's start waits on the same
+``healthy()`` call). The command line runs under the same dead proxies where it already meets
+a real server, ``rollouts --attach`` against the session's (test_rollouts.py): no server is
+started for this file alone.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PROXY_VARS = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PRO
 
 def proxied_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` with every proxy variable at a dead port and no NO_PROXY (test_rollouts.py's
-    attached CLI and test_llm_scale.py's CLI, which starts its servers, run under it too)."""
+    attached CLI runs under it too)."""
     out = {k: v for k, v in env.items() if k not in ("NO_PROXY", "no_proxy")}
     return {**out, **dict.fromkeys(PROXY_VARS, DEAD_PROXY)}
 

@@ -1,7 +1,7 @@
 """Notebook 05's workshop recordings (``notebooks/recorded/``, replayed with ``USE_RECORDED``)
 teach what 05 teaches from them: section 6 (a long async run learns; the generators run while
 the trainer trains), section 7 (the same config in sync mode; async's steady step is shorter, by
-what the step cost model predicts) and Exercise 2 (``max_staleness=0`` drops the generators'
+what the step cost model predicts) and Exercise 3 (``max_staleness=0`` drops the generators'
 head start and loses async's advantage); the dynamic group's ``nb05-dynamic-off`` /
 ``nb05-dynamic-on`` (dynamic sampling trains on no equal-reward group and drops some) and
 ``nb05-binds`` (``max_ahead`` past ``max_staleness``: the staleness rule drops groups).
@@ -35,7 +35,7 @@ MIN_STEPS = 60  # greedy accuracy on the held-out problems moves well past its n
 # The measured speed-up gets the same 25 % around the model's.
 MODEL_TOLERANCE = 0.25
 DIAGNOSTICS = ("entropy", "zero_std_frac", "truncated_frac")  # section 6's dashboard panels
-STALE0_CHANGES = {"max_staleness", "steps", "eval_every", "time_budget_s"}  # Exercise 2's
+STALE0_CHANGES = {"max_staleness", "steps", "eval_every", "time_budget_s"}  # Exercise 3's
 DYNAMIC_GROUP = ("nb05-dynamic-off", "nb05-dynamic-on", "nb05-binds")
 MAX_DYNAMIC_BYTES = 300_000  # scripts/record_nb05.py keeps the dynamic group's folders small
 
@@ -150,14 +150,14 @@ def speed_problems(run_async: Recording, run_sync: Recording) -> list[str]:
 
 
 def stale0_problems(stale0: Recording, run_async: Recording, run_sync: Recording) -> list[str]:
-    """Exercise 2: only fresh groups trained, the ones sampled ahead dropped, the head start
+    """Exercise 3: only fresh groups trained, the ones sampled ahead dropped, the head start
     lost (at most half of async's speed-up over sync left)."""
     out = []
     if stale0.config.get("max_staleness") != 0 or stale0.config.get("mode") != "async":
         out.append("nb05-stale0 is not an async run with max_staleness=0")
     if not config_diff(stale0, run_async) <= STALE0_CHANGES:
         out.append(f"nb05-stale0 differs from nb05-async in "
-                   f"{sorted(config_diff(stale0, run_async) - STALE0_CHANGES)} (Exercise 2 "
+                   f"{sorted(config_diff(stale0, run_async) - STALE0_CHANGES)} (Exercise 3 "
                    f"changes only {sorted(STALE0_CHANGES)})")
     if stale0.result.staleness_mean != 0.0 or any(
             any(s != 0 for s in r["staleness"]) for r in steps_of(stale0)):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def off_by_one(step: int, group_version: int, max_staleness: int) -> bool:
-    """A planted wrong rule (notebook 05's Exercise 4, nearly right): the bound itself refused."""
+    """A planted wrong rule (notebook 05's Exercise 2, nearly right): the bound itself refused."""
     return step - group_version < max_staleness
 
 

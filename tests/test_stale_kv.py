@@ -140,7 +140,8 @@ def test_after_a_recompute_sync_tokens_carry_the_new_version_at_the_floor(
         assert all(len(o.token_ids) == LONG for o in outs)
         after[kv] = [g for i in cut for v, g in per_token[i] if v == v0 + 1]
         if kv == "recompute":  # fresh KV: at the floor; the old version on a prefix, then the new
-            assert max(after[kv]) < tol, (max(after[kv]), tol)
+            mean = sum(after[kv]) / len(after[kv])
+            assert mean < tol / 10 and max(after[kv]) < tol, (mean, max(after[kv]), tol)
             versions = [[v for v, _ in c] for c in per_token]
             old = [vs.count(v0) for vs in versions]
             assert all(vs == [v0] * k + [v0 + 1] * (LONG - k)

