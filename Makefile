@@ -40,7 +40,7 @@ endif
 comma := ,
 STAMP := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: setup lab test lint check-notebooks pytest nbtest nbwatch handouts doctor clean system-deps
+.PHONY: setup lab test lint check-notebooks pytest pytest-apart pytest-rest nbtest nbwatch handouts doctor clean system-deps
 
 setup: $(STAMP)
 
@@ -88,8 +88,17 @@ check-notebooks: setup
 
 # The suite's vLLM servers start eager (no torch.compile): ≈ 50 s sooner each on a cold compile
 # cache, and they serve a few requests each. The notebooks run them compiled, as users do.
+PYTEST_ENV = GRPO_NB_SMOKE=1 GRPO_NB_SERVER_EAGER=1
 pytest: setup system-deps
-	GRPO_NB_SMOKE=1 GRPO_NB_SERVER_EAGER=1 $(BIN)/pytest -q --durations=20 tests
+	$(PYTEST_ENV) $(BIN)/pytest -q --durations=20 tests
+
+# make test splits the suite in two processes (each with its own shared server): these files
+# start their own servers, CLIs and browsers and spend most of their time waiting on them.
+PYTEST_APART = tests/test_vs_trl.py tests/test_llm_scale.py tests/test_browser.py
+pytest-apart: setup system-deps
+	$(PYTEST_ENV) $(BIN)/pytest -q --durations=10 $(PYTEST_APART)
+pytest-rest: setup system-deps
+	$(PYTEST_ENV) $(BIN)/pytest -q --durations=20 $(PYTEST_APART:%=--ignore=%) tests
 
 # GRPO_NB_SOLUTIONS=1: each exercise checker runs the shipped solution (notebooks/solutions/)
 # and fails the notebook if it does not pass; `make lab` leaves it unset, so checkers test yours.
@@ -107,16 +116,17 @@ NBWATCH_FLAGS ?=
 nbwatch: setup
 	$(BIN)/python scripts/nb_hang_watch.py --runs $(RUNS) --stall-s $(STALL_S) --workers $(NB_WORKERS) $(NBWATCH_FLAGS) notebooks/*.ipynb
 
-# pytest and the notebooks run side by side (the notebooks one at a time): both spend most of
-# their time waiting on servers, processes and timers, so on 2 cores they overlap. Each one's
-# output appears when it ends. TEST_JOBS=1 runs them one after the other, notebooks two at a time.
-TEST_JOBS ?= 2
+# Two pytest processes and the notebooks (one at a time) run side by side: all three spend most
+# of their time waiting on servers, processes and timers (the machine's load average stays near
+# 1 with two of them), so on 2 cores they overlap. Each one's output appears when it ends.
+# TEST_JOBS=1 runs them one after the other, notebooks two at a time.
+TEST_JOBS ?= 3
 test: lint check-notebooks
 ifeq ($(TEST_JOBS),1)
 	@$(MAKE) --no-print-directory pytest nbtest
 else
-	@echo "pytest and the notebooks run side by side; each one's output appears when it ends"
-	@$(MAKE) --no-print-directory -j2 --output-sync=target pytest nbtest NB_WORKERS=1
+	@echo "pytest (in two processes) and the notebooks run side by side; each one's output appears when it ends"
+	@$(MAKE) --no-print-directory -j3 --output-sync=target pytest-apart pytest-rest nbtest NB_WORKERS=1
 endif
 
 # Student copies, executed HTML pages + index, one PDF: build/handouts/index.html.

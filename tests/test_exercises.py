@@ -193,7 +193,7 @@ def test_04_ex3_abort_requests_in_flight(learning_mode: None) -> None:
             await judge_abort(fake, await at_exercise_04("8f504de9", "e4bb2efe", fake))
 
     async def judge_abort(fake: FakeVLLM, ns: dict[str, Any]) -> None:
-        wait = "await asyncio.to_thread(control.wait_running)"
+        wait = "await asyncio.to_thread(control.wait_running, n, 60.0)"
         wrong = variants("04_ex3", ns, "count_aborted", {
             "a fixed sleep, longer than the requests": (wait, "await asyncio.sleep(6.0)"),
             "paused before the requests reach the server":
