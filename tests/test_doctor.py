@@ -221,3 +221,7 @@ def test_the_warm_up_starts_the_notebooks_own_servers_compiled(
         assert cfg.eager is False and cfg.model == str(random_model_dir)
         assert "--enforce-eager" not in cfg.command(8000, gpu=False)
     assert servers["notebook 05"].worker_extension_cls  # 05's server takes weight syncs
+    # notebook 04's cell serves the ring's context, so both notebooks use one compile cache key
+    assert servers["notebook 04"].max_model_len == servers["notebook 05"].max_model_len
+    nb04 = (Path(__file__).parents[1] / "notebooks" / "04_vllm_rollouts.ipynb").read_text()
+    assert "max_model_len=LLMConfig().resolve().context_len" in nb04

@@ -173,8 +173,9 @@ def notebook_servers(model: Path) -> list[tuple[str, Any]]:
     from grpo_nb.llm.placement import server_config
     from grpo_nb.serving.server import ServerConfig
 
-    nb04 = replace(preset(ServerConfig), model=str(model), dtype="float32", kv_cache_bytes=64 << 20)
     nb05 = server_config(str(model), preset(LLMConfig).replace(dtype="float32").resolve())
+    nb04 = replace(preset(ServerConfig), model=str(model), dtype="float32", kv_cache_bytes=64 << 20,
+                   max_model_len=LLMConfig().resolve().context_len)  # as notebook 04's cell
     return [("notebook 04", replace(nb04, eager=False)), ("notebook 05", replace(nb05, eager=False))]
 
 
