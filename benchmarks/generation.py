@@ -37,9 +37,9 @@ async def _vllm_tokens_per_s(server, prompts: list[list[int]], new_tokens: int,
     from grpo_nb.serving.client import ClientConfig, CompletionsClient
 
     async with CompletionsClient.for_server(server, ClientConfig(max_in_flight=in_flight)) as c:
-        await c.complete(prompts[0], max_tokens=2)  # warm the request path
+        await c.generate(prompts[0], max_tokens=2)  # warm the request path
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*[c.complete(p, max_tokens=new_tokens, ignore_eos=True,
+        outs = await asyncio.gather(*[c.generate(p, max_tokens=new_tokens, ignore_eos=True,
                                                  temperature=1.0) for p in prompts])
         seconds = time.perf_counter() - t0
     return sum(len(o[0].token_ids) for o in outs) / seconds

@@ -87,8 +87,7 @@ def groups(cfg: LLMConfig, vocab: int, prompt_len: int, completion_len: int) -> 
         rollouts = []
         for r, a in zip(rewards, adv, strict=True):
             completion = torch.randint(0, vocab, (completion_len,), generator=gen).tolist()
-            rollouts.append(Rollout(prompt, completion, [uniform] * completion_len, "",
-                                    "length", r, a, group_id=g))
+            rollouts.append(Rollout(completion, [uniform] * completion_len, "", "length", r, a))
         out.append(Group(g, "", "", prompt, rollouts, 0, 0.0, 0.0))
     return out
 

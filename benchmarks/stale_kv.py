@@ -71,14 +71,15 @@ def gaps(outs: Sequence[Any], prompts: Sequence[list[int]], models: dict[int, to
          temperature: float) -> list[list[tuple[int, float]]]:
     """Per completion, each token's (version, |sampler − trainer log-prob|), the trainer's under
     ``models[version]`` (the weights that produced it), on prompt + every token before it."""
-    from grpo_nb.llm.data import Rollout
+    from grpo_nb.llm.data import Group, Rollout
     from grpo_nb.llm.policy import completion_logprobs
     from grpo_nb.llm.rollouts import token_versions
 
-    rollouts = [Rollout(list(p), o.token_ids, o.logprobs, o.text, o.finish_reason)
-                for p, o in zip(prompts, outs, strict=True)]
+    groups = [Group(i, "", "", list(p), [Rollout(o.token_ids, o.logprobs, o.text,
+                                                 o.finish_reason)], 0, 0.0, 0.0)
+              for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]
     versions = [token_versions(o.versions, len(o.token_ids), -1) for o in outs]
-    mine = {v: completion_logprobs(m, rollouts, temperature) for v, m in models.items()}
+    mine = {v: completion_logprobs(m, groups, temperature) for v, m in models.items()}
     return [[(v, abs(float(mine[v][i][j]) - o.logprobs[j])) if v in mine else (v, float("nan"))
              for j, v in enumerate(versions[i])] for i, o in enumerate(outs)]
 
@@ -118,7 +119,7 @@ def cut_by_a_sync(server: Any, prompts: Sequence[list[int]], params: dict[str, A
     """Sample ``prompts`` (one choice each) with ``syncer.cfg.kv`` while ``syncer`` syncs its
     model as ``new_version`` once the first has made about ``after_tokens`` tokens. Returns the
     completions, every request's token ids as sent, and the sync's milliseconds."""
-    from grpo_nb.weight_sync.client import VLLMControlClient
+    from grpo_nb.serving.control import VLLMControlClient
 
     control = VLLMControlClient(server.url, api_key=server.api_key)
     current, done = [new_version - 1], {}

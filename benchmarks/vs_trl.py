@@ -58,7 +58,8 @@ def ring_command(mode: str, model: str, args: argparse.Namespace) -> list[str]:
             "checkpoint_every_s": args.checkpoint_every_s, "eval_size": args.eval_size,
             "seed": args.seed, **RING_SETS}
     return [sys.executable, "-m", "grpo_nb", "train", "--model", model,
-            "--name", f"vs-trl-{mode}", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+            "--name", f"vs-trl-{mode}", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+            *(["--attach", args.attach] if args.attach else [])]
 
 
 def trl_command(model: str, out: Path, args: argparse.Namespace, vllm_mode: str = "none",
@@ -295,6 +296,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "spinning makes 2 torch threads crawl on shared cores")
     p.add_argument("--trl-vllm", choices=("skip", "try"), default="skip",
                    help="also try TRL's use_vllm modes (colocate, server) briefly")
+    p.add_argument("--attach", metavar="URL",
+                   help="the grpo_nb contenders train on this running vLLM server (serving the "
+                        "tiny model, weight sync on) instead of starting one each: one server "
+                        "start less (the tests' race); their server_start is then 0")
     args = p.parse_args(argv)
     from grpo_nb.config import runs_dir
     from grpo_nb.tiny_model import TinyModelConfig, build_or_load
@@ -302,6 +307,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out or runs_dir() / f"vs-trl-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = str(build_or_load(TinyModelConfig(), progress=False))
+    if args.attach:
+        from grpo_nb.serving.server import VLLMServer
+
+        served = VLLMServer.attach(args.attach).model_name
+        if served != model:
+            p.error(f"--attach {args.attach} serves {served}, not the race's model {model}")
     env = {**os.environ, "GRPO_NB_RUNS": str(out / "runs"), "TOKENIZERS_PARALLELISM": "false"}
     timeout_s = args.budget_s + 900  # start-up, drain, final evaluation
     report: dict[str, Any] = {"command": " ".join(["python", "benchmarks/vs_trl.py",

@@ -75,6 +75,14 @@ def group_advantages(
     return torch.where(flat, torch.zeros_like(centred), centred).reshape(-1)
 
 
+def _check_logits(logits: Tensor, name: str, other: Tensor, temperature: float) -> None:
+    if logits.dim() != 3 or other.shape != logits.shape[:2]:
+        raise ValueError(f"expected logits [B,T,V] and {name} [B,T], got "
+                         f"{tuple(logits.shape)} and {tuple(other.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
 def _chunk_logprobs(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
     x = logits.float()
     if temperature != 1.0:
@@ -89,11 +97,7 @@ def token_logprobs(
     """float32 ``[B, T]`` log-probs of ``token_ids`` under ``softmax(logits / temperature)``
     (``logits [B, T, V]`` aligned with them); chunks are checkpointed so that only one chunk's
     float32 copy of the logits exists at once."""
-    if logits.dim() != 3 or token_ids.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits [B,T,V] and token_ids [B,T], got "
-                         f"{tuple(logits.shape)} and {tuple(token_ids.shape)}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_logits(logits, "token_ids", token_ids, temperature)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     b, t, v = logits.shape
@@ -103,10 +107,8 @@ def token_logprobs(
     out = []
     for start in range(0, b * t, chunk_size):
         rows, ids = flat_logits[start:start + chunk_size], flat_ids[start:start + chunk_size]
-        if use_ckpt:
-            out.append(checkpoint(_chunk_logprobs, rows, ids, temperature, use_reentrant=False))
-        else:
-            out.append(_chunk_logprobs(rows, ids, temperature))
+        out.append(checkpoint(_chunk_logprobs, rows, ids, temperature, use_reentrant=False)
+                   if use_ckpt else _chunk_logprobs(rows, ids, temperature))
     if not out:
         return logits.new_zeros((b, t), dtype=torch.float32)
     return torch.cat(out).view(b, t)
@@ -152,11 +154,7 @@ def sequence_logprobs_and_entropy(
 def masked_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0, *,
                    chunk_size: int = 512) -> float:
     """Token-mean entropy (nats) of ``softmax(logits / temperature)`` where ``mask`` is set."""
-    if logits.dim() != 3 or mask.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits [B,T,V] and mask [B,T], got {tuple(logits.shape)} "
-                         f"and {tuple(mask.shape)}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_logits(logits, "mask", mask, temperature)
     with torch.no_grad():
         rows, cols = (mask != 0).nonzero(as_tuple=True)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)

@@ -73,7 +73,7 @@ class LinearLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 5
         if grad_logp is None:
-            return (None, None, None, *none)
+            return (None,) * 8
         cd, t, chunk = ctx.compute, ctx.temperature, ctx.chunk
         g_all = grad_logp.float()
         gh = torch.empty_like(hidden) if need_h else None
@@ -130,20 +130,11 @@ def linear_head(model: Any) -> nn.Linear | None:
     """The model's ``lm_head`` when its logits are exactly ``lm_head(base_model(...))`` (a plain
     linear head, no logit soft-capping or scaling), else None."""
     get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    base = getattr(model, "base_model", None)
+    head, base = get() if callable(get) else None, getattr(model, "base_model", None)
     cfg = getattr(model, "config", None)
-    if not isinstance(head, nn.Linear) or base is None or base is model:
-        return None
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-        return None
-    return head
-
-
-def final_hidden(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """``[B, L, H]``: the base model's last hidden states (the input of ``lm_head``)."""
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.last_hidden_state
+    scaled = getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None)
+    plain = isinstance(head, nn.Linear) and base is not None and base is not model
+    return head if plain and not scaled else None
 
 
 def model_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor,
@@ -159,14 +150,12 @@ def model_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor,
     b, width = input_ids.shape[0], input_ids.shape[1] - 1
     if mask is not None and mask.shape != (b, width):
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {(b, width)}")
-    hidden = final_hidden(model, input_ids, attention_mask)[:, :-1]
-    targets = input_ids[:, 1:]
-    if mask is None:
-        lp, ent = linear_logprobs(hidden.reshape(b * width, -1), head, targets.reshape(-1),
-                                  temperature, chunk_size=chunk_size, entropy=entropy)
-        return lp.view(b, width), ent.view(b, width) if ent is not None else None
-    keep = mask.to(hidden.device) != 0
-    lp, ent = linear_logprobs(hidden[keep], head, targets[keep], temperature,
+    # the base model's last hidden states: the input of lm_head
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              use_cache=False).last_hidden_state[:, :-1]
+    keep = (torch.ones(b, width, dtype=torch.bool, device=hidden.device) if mask is None
+            else mask.to(hidden.device) != 0)
+    lp, ent = linear_logprobs(hidden[keep], head, input_ids[:, 1:][keep], temperature,
                               chunk_size=chunk_size, entropy=entropy)
     full = lp.new_zeros(b, width).masked_scatter(keep, lp)
     return full, lp.new_zeros(b, width).masked_scatter(keep, ent) if ent is not None else None

@@ -247,15 +247,14 @@ def policy_loss(
         clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
         capped = ratio.clamp(max=delta) if delta is not None else ratio
         surrogate = torch.minimum(capped * adv, clipped * adv)
-        if dual_clip is not None:
-            surrogate = torch.where(adv < 0, torch.maximum(surrogate, dual_clip * adv), surrogate)
-        pg_tok = -surrogate
         flags["clip_frac_low"] = (ratio < 1.0 - clip_low) & (adv < 0)
         flags["clip_frac_high"] = (ratio > 1.0 + clip_high) & (adv > 0)
         if dual_clip is not None:
+            surrogate = torch.where(adv < 0, torch.maximum(surrogate, dual_clip * adv), surrogate)
             flags["dual_clip_frac"] = (ratio > dual_clip) & (adv < 0)
         if delta is not None:
             flags["delta_clip_frac"] = (ratio > delta) & (adv < 0)
+        pg_tok = -surrogate
     pg_tok = pg_tok.expand(shape)
 
     dropped = torch.zeros_like(valid)

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import torch
 
 from grpo_nb.config import Ge, Le, NonNegInt, PosFloat, PosInt, cache_dir, check_fields
+from grpo_nb.partition import torch_settings
 from grpo_nb.tasks import ArithmeticTaskConfig, make_dataset
 
 SPECIALS = ("<pad>", "<eos>", "<unk>")
@@ -78,9 +79,8 @@ def build_tokenizer() -> Any:
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # join characters without the spaces WordLevel would add
     core.add_special_tokens(list(SPECIALS))
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                  unk_token="<unk>")
-    return tok
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
 
 
 def build_model(cfg: TinyModelConfig, tokenizer: Any) -> Any:
@@ -186,15 +186,11 @@ def build(cfg: TinyModelConfig, out_dir: Path, *, progress: bool = True) -> None
     from transformers import GenerationConfig
 
     tokenizer = build_tokenizer()
-    threads = torch.get_num_threads()
     # One thread: the same seed gives the same weights on any machine (float reductions
     # depend on the thread count), and tiny matmuls gain little from a second core.
-    torch.set_num_threads(1)
-    try:
+    with torch_settings(threads=1):
         model = build_model(cfg, tokenizer)
         summary = _sft(cfg, model, tokenizer, progress)
-    finally:
-        torch.set_num_threads(threads)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out_dir)

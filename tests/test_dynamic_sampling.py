@@ -81,8 +81,8 @@ def test_llm_step_rows_count_the_dropped_and_train_on_no_equal_reward_group(
     cfg = LLMConfig(steps=2, prompts_per_step=2, group_size=2, dynamic_sampling=True,
                     time_budget_s=None)
     plan = [[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.5, 1.0], [1.0, 0.0]]
-    groups = [Group(i, "q", "7", [1], [Rollout([1], [5], [-1.0], "", "stop", reward=r,
-                                               token_versions=[0]) for r in rewards],
+    groups = [Group(i, "q", "7", [1], [Rollout([5], [-1.0], "", "stop", reward=r, token_versions=[0])
+                                      for r in rewards],
                     0, t_submit=0.0, t_done=0.0) for i, rewards in enumerate(plan)]
 
     def step(batch: list[Group]) -> dict[str, Any]:
@@ -180,7 +180,7 @@ def _group() -> Group:
     """Four completions of a prompt whose answer is 7: right (2 tokens), right but long (6),
     wrong (3), and cut at max_tokens = 8 (finish "length", though its text starts right)."""
     cases = [("7", "stop", 2), ("7", "stop", 6), ("8", "stop", 3), ("7 and", "length", 8)]
-    rollouts = [Rollout([1, 2], [5] * n, [-0.5] * n, text, finish) for text, finish, n in cases]
+    rollouts = [Rollout([5] * n, [-0.5] * n, text, finish) for text, finish, n in cases]
     return Group(0, "q", "7", [1, 2], rollouts, 0, t_submit=0.0, t_done=0.0)
 
 
@@ -239,7 +239,7 @@ def test_filter_masks_the_truncated_rows_out_of_the_loss_only() -> None:
     assert torch.equal(batch.loss_mask, expected)
     assert batch.advantages.shape == (4,) and batch.input_ids.shape == (4, 10)
     # the log-prob path (reference, agreement checks) still sees every token
-    assert _batch(group.rollouts, 0).loss_mask[3].sum() == 8
+    assert _batch([(group.prompt_ids, r) for r in group.rollouts], 0).loss_mask[3].sum() == 8
 
 
 @pytest.mark.parametrize(("changes", "message"), [

@@ -37,9 +37,9 @@ from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import Group, Prompt
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.serving.client import ClientConfig, CompletionsClient
+from grpo_nb.serving.control import VLLMControlClient
 from grpo_nb.toy.run import run_ring, summarize
 from grpo_nb.toy.task import ToyConfig
-from grpo_nb.weight_sync.client import VLLMControlClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

@@ -2,9 +2,11 @@
 names its cause within 30 s, or the run goes on with the fault counted; no process is left
 behind and the last checkpoint loads.
 
-Cost: one server start of its own (killed mid-generation); every other fault runs on the
-session's shared server, and the mid-sync kill runs last of the whole suite (marked
-``kills_server``). The CLI's SIGKILL and resume are in ``test_llm_scale.py``. The SFT'd
+Cost: no server start of its own where the session's shared server is alive: every fault runs
+on it, and the two that kill a server (mid-sync, mid-generation) run last of the whole suite
+(marked ``kills_server``, fixture ``server_to_kill``): the first kills the session's server, the
+second gets one of its own (``make test`` runs them in separate pytest processes, each ending
+its own session server). The CLI's SIGKILL and resume are in ``test_llm_scale.py``. The SFT'd
 tiny model (cached) is used so completions end with EOS and the reward function is called.
 """
 
@@ -218,10 +220,9 @@ def test_a_prompt_over_the_context_length_is_dropped_counted_and_resubmitted(
 
 
 @pytest.mark.kills_server
-def test_killing_the_server_mid_sync_ends_the_run_clearly(ring_server, tiny_model_dir, runs,
+def test_killing_the_server_mid_sync_ends_the_run_clearly(server_to_kill, tiny_model_dir, runs,
                                                           monkeypatch) -> None:
-    """Runs after every other test of the suite (``kills_server``): it kills the shared
-    server."""
+    """Runs after every other test of the suite (``kills_server``): it kills its server."""
     from grpo_nb.llm.run import RunAborted
     from grpo_nb.weight_sync import WeightSyncer
 
@@ -230,45 +231,45 @@ def test_killing_the_server_mid_sync_ends_the_run_clearly(ring_server, tiny_mode
     def killing(self, *args, **kwargs):
         state["n"] += 1
         if state["n"] == 3:  # the sync after step 2 (1: start-up, 2: after step 1)
-            _kill(ring_server)
+            _kill(server_to_kill)
             state["t"] = time.monotonic()
         return transfer(self, *args, **kwargs)
 
     monkeypatch.setattr(WeightSyncer, "_transfer", killing)
     with pytest.raises(RunAborted, match=r"the vLLM server at .* exited"):
-        _train(_cfg(steps=20), tiny_model_dir, ring_server, "kill-sync")
+        _train(_cfg(steps=20), tiny_model_dir, server_to_kill, "kill-sync")
     TIMES["server killed mid-sync"] = time.monotonic() - state["t"]
     assert state["t"] and TIMES["server killed mid-sync"] < FAULT_S
     assert _load_checkpoint(runs / "kill-sync" / "checkpoint", tiny_model_dir)["step"] >= 1
-    ring_server.stop()
-    _gone(ring_server, within_s=5.0)
+    server_to_kill.stop()
+    _gone(server_to_kill, within_s=5.0)
 
 
-def test_killing_the_server_mid_generation_ends_the_run_clearly(tiny_model_dir, runs,
-                                                                monkeypatch) -> None:
-    """On a server of its own (started here, then killed)."""
-    from grpo_nb.llm.run import RunAborted, server_for
+@pytest.mark.kills_server
+def test_killing_the_server_mid_generation_ends_the_run_clearly(server_to_kill, tiny_model_dir,
+                                                                runs, monkeypatch) -> None:
+    """Runs after every other test of the suite (``kills_server``): it kills its server."""
+    from grpo_nb.llm.run import RunAborted
     from grpo_nb.serving.client import CompletionsClient
 
-    own = server_for(str(tiny_model_dir), _cfg()).start(progress=False)
     generate, state = CompletionsClient.generate, {"groups": 0, "t": 0.0}
 
     async def killing(self, prompt_ids, **kw):  # the generators' groups
         state["groups"] += 1
         if state["groups"] == 5:  # step 2's first group: its request is in flight
-            asyncio.get_running_loop().call_later(0.05, _kill, own)
+            asyncio.get_running_loop().call_later(0.05, _kill, server_to_kill)
             state["t"] = time.monotonic()
         return await generate(self, prompt_ids, **kw)
 
     monkeypatch.setattr(CompletionsClient, "generate", killing)
     try:
         with pytest.raises(RunAborted, match=r"the vLLM server at .* exited"):
-            _train(_cfg(steps=20), tiny_model_dir, own, "kill-gen")
+            _train(_cfg(steps=20), tiny_model_dir, server_to_kill, "kill-gen")
         TIMES["server killed mid-generation"] = time.monotonic() - state["t"]
         assert state["t"] and TIMES["server killed mid-generation"] < FAULT_S
     finally:
-        own.stop()
-    _gone(own, within_s=5.0)
+        server_to_kill.stop()
+    _gone(server_to_kill, within_s=5.0)
     assert _load_checkpoint(runs / "kill-gen" / "checkpoint", tiny_model_dir)["step"] >= 1
 
 

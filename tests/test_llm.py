@@ -138,7 +138,7 @@ def _group(prompt: list[int], completions: list[list[int]], rewards: list[float]
     from grpo_nb.grpo import group_advantages
 
     adv = group_advantages(torch.tensor(rewards), len(rewards)).tolist()
-    rollouts = [Rollout(prompt, c, [-1.0] * len(c), "", "stop", r, a, policy_version=version)
+    rollouts = [Rollout(c, [-1.0] * len(c), "", "stop", r, a)
                 for c, r, a in zip(completions, rewards, adv, strict=True)]
     return Group(0, "", "", prompt, rollouts, version, 0.0, 0.0)
 
@@ -483,7 +483,7 @@ def test_sampler_and_trainer_logprobs_agree_at_temperature_0_7(vllm_server,
 
     async def sample() -> list[tuple[list[int], list[int], list[float]]]:
         async with CompletionsClient.for_server(vllm_server) as client:
-            outs = await asyncio.gather(*[client.complete(p, max_tokens=8, temperature=0.7, n=4,
+            outs = await asyncio.gather(*[client.generate(p, max_tokens=8, temperature=0.7, n=4,
                                                           seed=i)
                                           for i, p in enumerate(prompts)])
         return [(p, c.token_ids, c.logprobs) for p, cs in zip(prompts, outs, strict=True)

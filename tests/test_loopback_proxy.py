@@ -63,8 +63,8 @@ def test_the_packages_clients_reach_loopback_past_a_dead_proxy(monkeypatch, loop
     completions client all reach the loopback server; a client that trusts the environment
     (httpx's default) sends the same request to the dead proxy and fails."""
     from grpo_nb.serving.client import CompletionsClient
+    from grpo_nb.serving.control import VLLMControlClient
     from grpo_nb.serving.server import VLLMServer
-    from grpo_nb.weight_sync.client import VLLMControlClient
 
     loopback_url = loopback.url
     for key, value in proxied_env(dict(os.environ)).items():

@@ -22,7 +22,7 @@ from grpo_nb.llm.policy import ChangeMeter, PolicyTrainer, load_policy
 
 def _group(prompt: list[int], completions: list[list[int]], rewards: list[float]) -> Group:
     adv = group_advantages(torch.tensor(rewards), len(rewards)).tolist()
-    rollouts = [Rollout(prompt, c, [-1.0] * len(c), "", "stop", r, a, policy_version=0)
+    rollouts = [Rollout(c, [-1.0] * len(c), "", "stop", r, a)
                 for c, r, a in zip(completions, rewards, adv, strict=True)]
     return Group(0, "", "", prompt, rollouts, 0, 0.0, 0.0)
 

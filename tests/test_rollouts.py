@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -58,9 +59,29 @@ def test_an_aborted_group_is_sampled_again_at_the_new_version(fake_vllm):
     assert [r.finish_reason for r in group.rollouts] == ["stop", "stop"]
 
 
+def test_a_group_carries_its_prompt_ids_id_and_version_once(fake_vllm):
+    """The Rollouts of a sampled group hold only their own completion: the group's pickled size
+    (what every hop of the ring sends) grows by the same bytes per completion for a 3-token and
+    a 600-token prompt."""
+    client = CompletionsClient(fake_vllm.base_url, "m")  # each completion: one token, "7"
+
+    def pickled(prompt_len: int, group_size: int) -> int:
+        cfg = LLMConfig(group_size=group_size).resolve()
+        group = asyncio.run(sample_group(client, Prompt("q", [3] * prompt_len, "7"), cfg,
+                                         lambda: 2, group_id=5))
+        assert (group.prompt_ids, group.group_id, group.policy_version) == ([3] * prompt_len, 5, 2)
+        for r in group.rollouts:
+            r.latency_s = 0.0  # measured: its float's bytes vary
+        return len(pickle.dumps(group))
+
+    assert pickled(600, 8) - pickled(600, 2) == pickled(3, 8) - pickled(3, 2)
+    assert not {"prompt_ids", "group_id", "policy_version"} & set(vars(Rollout([5], [-1.0], "",
+                                                                              "stop")))
+
+
 def test_summarize_counts_correct_samples_and_mixed_groups():
     def group(gid, rewards):
-        rs = [Rollout([1], [2, 3], [-0.1, -0.2], "x", "stop", r) for r in rewards]
+        rs = [Rollout([2, 3], [-0.1, -0.2], "x", "stop", r) for r in rewards]
         return Group(gid, "p", "a", [1], rs, 0, 0.0, 1.0)
 
     out = summarize([group(0, [1.0, 0.0]), group(1, [0.0, 0.0])], seconds=2.0)
@@ -90,7 +111,7 @@ def test_logprob_agreement_compares_at_the_sampling_temperature(temperature):
             with torch.no_grad():
                 lp = torch.log_softmax(model(ids).logits[0, :-1].float() / temperature, -1)
             at = torch.arange(len(prompt) - 1, ids.shape[1] - 1)
-            rollouts.append(Rollout(prompt, c, lp[at, ids[0, at + 1]].tolist(), "", "stop"))
+            rollouts.append(Rollout(c, lp[at, ids[0, at + 1]].tolist(), "", "stop"))
         groups.append(Group(gid, "p", "a", prompt, rollouts, 0, 0.0, 1.0))
 
     same = logprob_agreement(model, groups, temperature=temperature)
@@ -227,8 +248,8 @@ def test_logprob_tolerance_is_derived_from_the_dtype_and_holds_for_cpu_bf16() ->
             with torch.no_grad():  # the "server": bf16, its processed log-probs at T
                 lp = torch.log_softmax(bf16(seq).logits[0, :-1].float() / temperature, -1)
             at = torch.arange(len(prompt) - 1, seq.shape[1] - 1)
-            group_rollouts.append(Rollout(prompt, row[8:].tolist(),
-                                          lp[at, seq[0, at + 1]].tolist(), "", "stop"))
+            group_rollouts.append(Rollout(row[8:].tolist(), lp[at, seq[0, at + 1]].tolist(),
+                                          "", "stop"))
         groups = [Group(0, "p", "a", prompt, group_rollouts, 0, 0.0, 1.0)]
         got = logprob_agreement(model, groups, temperature=temperature, dtype="bfloat16")
         bound = 2 * dz / temperature  # the softmax step of the derivation, on these logits

@@ -37,7 +37,7 @@ def _scorer(reward: Any, **cfg: Any) -> tuple[Scorer, Events]:
 
 
 def _group(texts: list[str], answer: str = "7") -> Group:
-    rollouts = [Rollout([1], [2], [-1.0], t, "stop") for t in texts]
+    rollouts = [Rollout([2], [-1.0], t, "stop") for t in texts]
     return Group(0, "q", answer, [1], rollouts, 0, 0.0, 0.0)
 
 

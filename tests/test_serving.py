@@ -120,12 +120,17 @@ def test_unreachable_server_is_retried_then_counted():
         cfg = ClientConfig(retries=2, backoff_s=0.01, timeout_s=5)
         async with CompletionsClient(f"http://127.0.0.1:{free_port()}/v1", "m", cfg) as c:
             with pytest.raises(CompletionError, match="unreachable after 3 attempts") as info:
-                await c.complete([1, 2, 3])
+                await c.generate([1, 2, 3])
             return c.stats, info.value
 
     stats, err = asyncio.run(go())
     assert err.kind == "connection_errors"
     assert (stats.requests, stats.failed, stats.retries, stats.connection_errors) == (1, 1, 2, 1)
+
+
+def _content(*logprobs: float) -> dict:
+    """A generate choice's ``logprobs``: one entry per token."""
+    return {"content": [{"token": "t", "logprob": lp} for lp in logprobs]}
 
 
 async def _with_stub_server(handler, body):
@@ -148,7 +153,7 @@ def test_the_fake_server_answers_in_vllms_own_shapes():
         GenerateTokensResponse,
     )
 
-    from grpo_nb.weight_sync.client import VLLMControlClient
+    from grpo_nb.serving.control import VLLMControlClient
 
     with FakeVLLM() as fake:
         body = {"model": "m", "prompt": [1, 2], "max_tokens": 1, "n": 2, "logprobs": 1,
@@ -171,11 +176,11 @@ def test_the_fake_server_answers_in_vllms_own_shapes():
 
         async def sample():
             async with CompletionsClient.for_server(fake) as client:
-                return await client.generate([1], n=2), await client.complete([1])
+                return await client.generate([1], n=2)
 
-        generated, completed = asyncio.run(sample())
+        generated = asyncio.run(sample())
         assert [c.versions for c in generated] == [["3"], ["3"]]
-        assert completed[0].token_ids == [5] and completed[0].logprobs == [-1.0]
+        assert generated[0].token_ids == [5] and generated[0].logprobs == [-1.0]
 
 
 def test_http_5xx_is_raised_and_counted_not_retried():
@@ -187,20 +192,20 @@ def test_http_5xx_is_raised_and_counted_not_retried():
 
     async def body(client):
         with pytest.raises(CompletionError, match="HTTP 503.*engine dead") as info:
-            await client.complete([1, 2], max_tokens=3)
+            await client.generate([1, 2], max_tokens=3)
         return info.value, client.stats
 
     err, stats = asyncio.run(_with_stub_server(handler, body))
     assert err.kind == "http_5xx" and err.status == 503
     assert (stats.http_5xx, stats.failed, stats.retries, len(calls)) == (1, 1, 0, 1)
-    assert calls[0]["prompt"] == [1, 2] and calls[0]["return_token_ids"] is True
+    assert calls[0]["token_ids"] == [1, 2] and calls[0]["output_mode"] == "text"
 
 
 def test_empty_and_misaligned_completions_are_counted():
     answers = iter([
-        {"choices": [{"text": "", "token_ids": [], "logprobs": {"token_logprobs": []},
+        {"choices": [{"text": "", "token_ids": [], "logprobs": {"content": []},
                       "finish_reason": "length"}]},
-        {"choices": [{"text": "7", "token_ids": [9, 1], "logprobs": {"token_logprobs": [-1.0]},
+        {"choices": [{"text": "7", "token_ids": [9, 1], "logprobs": _content(-1.0),
                       "finish_reason": "stop"}]},
         {"choices": []},
     ])
@@ -212,7 +217,7 @@ def test_empty_and_misaligned_completions_are_counted():
         kinds = []
         for _ in range(3):
             with pytest.raises(CompletionError) as info:
-                await client.complete([1], max_tokens=3)
+                await client.generate([1], max_tokens=3)
             kinds.append(info.value.kind)
         return kinds, client.stats
 
@@ -227,13 +232,13 @@ def test_aborted_choices_are_returned_not_raised():
     def handler(request, headers):
         return 200, {"choices": [
             {"text": "", "token_ids": [], "logprobs": None, "finish_reason": "abort"},
-            {"text": "1", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -0.7]},
+            {"text": "1", "token_ids": [5, 6], "logprobs": _content(-0.5, -0.7),
              "finish_reason": "abort"},
-            {"text": "12", "token_ids": [5, 7], "logprobs": {"token_logprobs": [-0.1, -0.2]},
+            {"text": "12", "token_ids": [5, 7], "logprobs": _content(-0.1, -0.2),
              "finish_reason": "stop"}]}
 
     async def body(client):
-        return await client.complete([1], max_tokens=4, n=3), client.stats
+        return await client.generate([1], max_tokens=4, n=3), client.stats
 
     outs, stats = asyncio.run(_with_stub_server(handler, body))
     assert [o.finish_reason for o in outs] == ["abort", "abort", "stop"]
@@ -244,15 +249,15 @@ def test_aborted_choices_are_returned_not_raised():
 
 def test_a_4xx_fails_only_its_own_request_with_its_status():
     def handler(request, headers):
-        prompt = request["prompt"]
+        prompt = request["token_ids"]
         if prompt == [0]:
             return 400, {"error": "prompt too long"}
         time.sleep(0.2)  # the others are still in flight when the 400 comes back
         return 200, {"choices": [{"text": "x", "token_ids": prompt, "finish_reason": "length",
-                                  "logprobs": {"token_logprobs": [-1.0]}}]}
+                                  "logprobs": _content(-1.0)}]}
 
     async def body(client):
-        results = await asyncio.gather(*[client.complete([i]) for i in range(4)],
+        results = await asyncio.gather(*[client.generate([i]) for i in range(4)],
                                        return_exceptions=True)
         return results, client.stats
 
@@ -270,19 +275,19 @@ def test_every_request_carries_the_api_key(monkeypatch):
     def handler(request, headers):
         seen.append(headers.get("Authorization"))
         return 200, {"choices": [{"text": "x", "token_ids": [1], "finish_reason": "stop",
-                                  "logprobs": {"token_logprobs": [-1.0]}}]}
+                                  "logprobs": _content(-1.0)}]}
 
     async def body(client):
-        await client.complete([1])
+        await client.generate([1])
         server = type("S", (), {"base_url": client.base_url, "model_name": "m",
                                 "api_key": "from-server"})()
         async with CompletionsClient.for_server(server) as keyed:
-            await keyed.complete([1])
+            await keyed.generate([1])
         monkeypatch.setenv("VLLM_API_KEY", "from-env")
         async with CompletionsClient(client.base_url, "m", ClientConfig(max_in_flight=1)) as c:
-            await c.complete([1])
+            await c.generate([1])
         async with CompletionsClient(client.base_url, "m", ClientConfig(api_key="cfg")) as c:
-            await c.complete([1])
+            await c.generate([1])
 
     asyncio.run(_with_stub_server(handler, body))
     assert seen == [None, "Bearer from-server", "Bearer from-env", "Bearer cfg"]
@@ -296,7 +301,7 @@ def test_slow_server_times_out_and_is_counted():
     async def body(client):
         client.cfg.timeout_s = 0.3
         with pytest.raises(CompletionError, match="timeout|timed out|within") as info:
-            await client.complete([1])
+            await client.generate([1])
         return info.value, client.stats
 
     err, stats = asyncio.run(_with_stub_server(handler, body))
@@ -527,9 +532,9 @@ def test_completions_return_aligned_ids_and_logprobs(vllm_server, tiny_model_dir
 
     async def go():
         async with CompletionsClient.for_server(vllm_server, ClientConfig(max_in_flight=4)) as c:
-            outs = await asyncio.gather(*[c.complete(prompt, max_tokens=6, temperature=1.0,
+            outs = await asyncio.gather(*[c.generate(prompt, max_tokens=6, temperature=1.0,
                                                      seed=i) for i in range(8)])
-            greedy = [(await c.complete(prompt, max_tokens=6, temperature=0.0))[0]
+            greedy = [(await c.generate(prompt, max_tokens=6, temperature=0.0))[0]
                       for _ in range(2)]
             return [o[0] for o in outs], greedy, c.stats
 
@@ -538,7 +543,6 @@ def test_completions_return_aligned_ids_and_logprobs(vllm_server, tiny_model_dir
         assert 1 <= len(o.token_ids) <= 6 and len(o.logprobs) == len(o.token_ids)
         assert all(lp <= 0.0 for lp in o.logprobs)
         assert o.text == tok.decode(o.token_ids, skip_special_tokens=True)
-        assert o.prompt_token_ids == prompt
     assert greedy[0].token_ids == greedy[1].token_ids
     assert (stats.requests, stats.ok, stats.failed) == (10, 10, 0)
 
@@ -551,15 +555,15 @@ def test_bad_requests_are_counted_failures(vllm_server):
     async def go():
         async with CompletionsClient.for_server(vllm_server) as c:
             with pytest.raises(CompletionError) as too_long:
-                await c.complete([3] * (vllm_server.cfg.max_model_len + 10), max_tokens=4)
+                await c.generate([3] * (vllm_server.cfg.max_model_len + 10), max_tokens=4)
             with pytest.raises(CompletionError) as bad_param:
-                await c.complete([3, 4], max_tokens=4, temperature=-1.0)
+                await c.generate([3, 4], max_tokens=4, temperature=-1.0)
             # eos forced first: a completion with one token and no text is kept, but counted.
-            eos_first = await c.complete([3, 4], max_tokens=4, logit_bias={"1": 100.0})
+            eos_first = await c.generate([3, 4], max_tokens=4, logit_bias={"1": 100.0})
             stats = c.stats
         async with CompletionsClient(vllm_server.base_url, "no-such-model") as other:
             with pytest.raises(CompletionError) as wrong_model:
-                await other.complete([3, 4], max_tokens=2)
+                await other.generate([3, 4], max_tokens=2)
         return too_long.value, bad_param.value, eos_first, stats, wrong_model.value
 
     too_long, bad_param, eos_first, stats, wrong_model = asyncio.run(go())
@@ -581,7 +585,7 @@ def test_pause_abort_returns_aborted_choices(vllm_server):
     async def go():
         async with CompletionsClient.for_server(vllm_server) as c:
             before = vllm_server_tokens(url)
-            tasks = [asyncio.create_task(c.complete([3, 4 + i], max_tokens=200, n=2,
+            tasks = [asyncio.create_task(c.generate([3, 4 + i], max_tokens=200, n=2,
                                                     ignore_eos=True)) for i in range(3)]
             while vllm_server_tokens(url) == before:  # pause once tokens are flowing
                 await asyncio.sleep(0.05)
@@ -590,7 +594,7 @@ def test_pause_abort_returns_aborted_choices(vllm_server):
                 outs = await asyncio.gather(*tasks)
             finally:
                 assert await asyncio.to_thread(_status, f"{url}/resume", {}) == 200
-            after = await c.complete([3, 4], max_tokens=2, ignore_eos=True)  # EOS may come first
+            after = await c.generate([3, 4], max_tokens=2, ignore_eos=True)  # EOS may come first
             return [o for out in outs for o in out], after, c.stats
 
     outs, after, stats = asyncio.run(go())

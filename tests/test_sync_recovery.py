@@ -201,7 +201,7 @@ def test_the_transfer_limit_grows_with_the_models_bytes(monkeypatch) -> None:
     configured 20; the update calls, the gloo group and RPC, and the abandonment use it."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from grpo_nb.weight_sync.client import VLLMControlClient
+    from grpo_nb.serving.control import VLLMControlClient
 
     cfg = WeightSyncConfig(timeout_s=20)
     assert cfg.transfer_timeout(10**9) == 20 and cfg.transfer_timeout(20 * 10**9) == 200
@@ -267,7 +267,7 @@ class _Server:
     round_trips = 0
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from grpo_nb.weight_sync.worker import _Recorder
+        from grpo_nb.weight_sync.server_side import _Recorder
 
         self.served = _ServedModel(model)
         self.recorder = _Recorder(self.served)

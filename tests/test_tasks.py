@@ -397,11 +397,14 @@ def test_check_task_fields_names_the_config_field():
     good = dict(dataset="arithmetic", test_size=None, system_prompt=None,
                 chat_template_kwargs=None, reward="no_such_module_xyz:f")
     tasks.check_task_fields(SimpleNamespace(**good))  # import paths resolve in the scorer
-    for field, value in [("dataset", "arithmetic:x"), ("test_size", True),
-                         ("system_prompt", 3), ("chat_template_kwargs", "x"), ("reward", "math+")]:
+    for field, value in [("dataset", "arithmetic:x"), ("test_size", 0), ("reward", "math+")]:
         with pytest.raises(ValueError, match=rf"LLMConfig\.{field}="):
             tasks.check_task_fields(SimpleNamespace(**{**good, field: value}))
     from grpo_nb.llm.config import LLMConfig
 
+    # the fields' types: checked by the config's check_fields before check_task_fields runs
+    for field, value in [("test_size", True), ("system_prompt", 3), ("chat_template_kwargs", "x")]:
+        with pytest.raises(ValueError, match=rf"LLMConfig\.{field}="):
+            LLMConfig(**{field: value})
     with pytest.raises(ValueError, match=r"LLMConfig\.max_prompt_len="):  # the config's own bound
         LLMConfig(max_prompt_len=0)

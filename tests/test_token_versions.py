@@ -70,7 +70,7 @@ def test_the_sampler_gives_every_token_its_version(fake_vllm) -> None:
     a, b = group.rollouts
     assert a.token_versions == [3, 4, 4] and b.token_versions == [4, 4]
     assert a.sampler_logprobs == [-0.5, -1.5, -2.5] and a.completion_text == "7"
-    assert (a.policy_version, b.policy_version, group.policy_version) == (3, 4, 3)
+    assert group.policy_version == 3  # its oldest token's
 
 
 def test_an_aborted_choice_keeps_its_tokens_versions_and_a_bad_span_fails(fake_vllm) -> None:
@@ -104,8 +104,8 @@ def test_admission_reads_a_groups_oldest_token(fake_vllm, random_model_dir) -> N
 
 
 def _rollout(versions: list[int]) -> Rollout:
-    return Rollout([1], [5] * len(versions), [-1.0] * len(versions), "", "stop",
-                   policy_version=min(versions), token_versions=versions)
+    return Rollout([5] * len(versions), [-1.0] * len(versions), "", "stop",
+                   token_versions=versions)
 
 
 def test_token_lags_and_the_run_summary() -> None:
@@ -152,7 +152,7 @@ def test_the_step_row_has_the_tis_statistics_and_the_largest_ratio(random_model_
                     ratio_against="trainer", tis_cap=2.0)
     # sampler log-probs far below the trainer's: every TIS weight hits the cap
     groups = [Group(i, "p", "a", prompt, [
-        Rollout(prompt, c, [-30.0] * len(c), "", "stop", advantage=adv) for c, adv in
+        Rollout(c, [-30.0] * len(c), "", "stop", advantage=adv) for c, adv in
         zip(completions, (1.0, -1.0), strict=True)], 0, 0.0, 1.0)
         for i, (prompt, completions) in enumerate([([3, 4, 5], [[6, 7, 1], [8, 9, 1]]),
                                                    ([3, 4], [[6, 1], [9, 1]])])]
@@ -186,7 +186,7 @@ def test_the_dashboard_draws_token_lag_and_tis() -> None:
 def test_a_label_changed_mid_request_splits_one_completion(vllm_server) -> None:
     """``/update_weight_version`` while a request decodes: each of its completions carries the
     old label on its first tokens and the new one on the rest, through the sampler's route."""
-    from grpo_nb.weight_sync.client import VLLMControlClient
+    from grpo_nb.serving.control import VLLMControlClient
 
     control = VLLMControlClient(vllm_server.url, api_key=vllm_server.api_key)
     before = control.weight_version()

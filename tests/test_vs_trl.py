@@ -54,16 +54,19 @@ def test_checkpoint_every_s_is_validated() -> None:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
-def test_the_race_runs_end_to_end_at_a_tiny_budget(tmp_path: Path) -> None:
-    """TRL, sync and async, 8 s each (two vLLM server starts): every curve starts at t = 0 with
-    the shared evaluator's accuracy of the start checkpoint, and the headline keys exist."""
+def test_the_race_runs_end_to_end_at_a_tiny_budget(tmp_path: Path, ring_server) -> None:
+    """TRL, sync and async, 4 s each, the ring's two on the session's server (``--attach``: no
+    server start of the race's own): every curve starts at t = 0 with the shared evaluator's
+    accuracy of the start checkpoint, and the headline keys exist."""
     pytest.importorskip("trl")
-    pytest.importorskip("vllm")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--budget-s", "8",
-         "--checkpoint-every-s", "4", "--eval-size", "50", "--out", str(tmp_path / "race")],
+        [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--budget-s", "4",
+         "--checkpoint-every-s", "4", "--eval-size", "20", "--out", str(tmp_path / "race"),
+         "--attach", ring_server.url],
         capture_output=True, text=True, timeout=1400, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert not list((tmp_path / "race").rglob("server-*.log"))  # it started no server
+    assert ring_server.healthy()
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "async_speedup_vs_trl" in report and "sync_speedup_vs_trl" in report
     curves = {name: c["curve"] for name, c in report["contenders"].items()}
@@ -77,5 +80,5 @@ def test_the_race_runs_end_to_end_at_a_tiny_budget(tmp_path: Path) -> None:
         assert report["contenders"][name]["steps"] >= 1
         assert report["contenders"][name]["completion_tokens"] > 0
         assert report["contenders"][name]["time_split"]
-    assert report["eval"]["n"] == 50
+    assert report["eval"]["n"] == 20
     assert Path(report["png"]).is_file()

@@ -48,7 +48,7 @@ def test_digests_are_bitwise_and_the_comparison_names_what_differs() -> None:
     another dtype, change the digest; a record with a tensor missing, twice, foreign or
     changed fails, naming it; the worker's wrapped ``load_weights`` records what it gets."""
     from grpo_nb.tiny_model import TinyModelConfig, build_model, build_tokenizer
-    from grpo_nb.weight_sync.worker import _Recorder
+    from grpo_nb.weight_sync.server_side import _Recorder
 
     model = build_model(TinyModelConfig(), build_tokenizer())
     t = model.model.norm.weight.detach().to(torch.bfloat16)
@@ -82,14 +82,14 @@ def test_digests_are_bitwise_and_the_comparison_names_what_differs() -> None:
 
 def test_server_settings_name_the_extension_and_backend() -> None:
     s = WeightSyncConfig(transport="gloo").server_settings()
-    assert s["worker_extension_cls"] == "grpo_nb.weight_sync.worker.GrpoWorkerExtension"
+    assert s["worker_extension_cls"] == "grpo_nb.weight_sync.server_side.GrpoWorkerExtension"
     assert s["weight_transfer_config"] == {"backend": "gloo"}
     assert WeightSyncConfig(transport="reload").server_settings()["weight_transfer_config"] is None
 
 
 def test_receive_slots_are_aligned_in_one_buffer() -> None:
     from grpo_nb.weight_sync.gloo_engine import GlooUpdateInfo
-    from grpo_nb.weight_sync.worker import receive_slots
+    from grpo_nb.weight_sync.server_side import receive_slots
 
     info = GlooUpdateInfo(["a", "b", "c"], ["float32", "float32", "bfloat16"], [[3], [100], [5]])
     buffer, slots = receive_slots(info, None)

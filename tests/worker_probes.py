@@ -4,7 +4,7 @@ package's own extension, plus RPCs that only tests ask."""
 
 from __future__ import annotations
 
-from grpo_nb.weight_sync.worker import GrpoWorkerExtension
+from grpo_nb.weight_sync.server_side import GrpoWorkerExtension
 
 EXTENSION = f"{__name__}.ProbeWorkerExtension"
 

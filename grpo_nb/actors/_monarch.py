@@ -34,21 +34,16 @@ def _flagged() -> Iterator[None]:
 
 def _in_monarch(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with ``on_monarch`` set while it runs (tasks it starts inherit the flag)."""
-    if inspect.iscoroutinefunction(fn):
 
-        @functools.wraps(fn)
-        async def run_async(*args: Any, **kwargs: Any) -> Any:
-            with _flagged():
-                return await fn(*args, **kwargs)
+    async def run_async(*args: Any, **kwargs: Any) -> Any:
+        with _flagged():
+            return await fn(*args, **kwargs)
 
-        return run_async
-
-    @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         with _flagged():
             return fn(*args, **kwargs)
 
-    return run
+    return functools.wraps(fn)(run_async if inspect.iscoroutinefunction(fn) else run)
 
 
 def on_monarch_class(cls: type) -> type:

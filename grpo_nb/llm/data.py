@@ -19,19 +19,17 @@ class Prompt(NamedTuple):
 
 @dataclass
 class Rollout:
-    """One sampled completion; the Scorer fills ``reward`` and ``advantage``, the Reference
+    """One sampled completion of its :class:`Group`'s prompt (the group holds the prompt, its
+    id and version); the Scorer fills ``reward`` and ``advantage``, the Reference
     ``ref_logprobs`` (only with a KL penalty). ``token_versions``: the weight version that
-    sampled each completion token; ``policy_version``: the oldest of them."""
+    sampled each completion token."""
 
-    prompt_ids: list[int]
     completion_ids: list[int]
     sampler_logprobs: list[float]
     completion_text: str
     finish_reason: str | None
     reward: float = 0.0
     advantage: float = 0.0
-    policy_version: int = 0
-    group_id: int = 0
     latency_s: float = 0.0
     ref_logprobs: list[float] | None = None
     token_versions: list[int] = field(default_factory=list)

@@ -42,13 +42,11 @@ def check_placement(cfg: Any) -> None:
     if device_of(cfg) == "cpu" and cfg.sync.transport in ("nccl", "ipc"):
         raise ValueError(f"LLMConfig.sync.transport={cfg.sync.transport!r} needs CUDA, but "
                          "the trainer runs on the CPU: use 'gloo' or 'reload'")
-    if device_of(cfg) == "cuda":
-        check_gpu_transport(cfg.sync.transport, gpu_count())
-
-
-def check_gpu_transport(transport: str, gpus: int) -> None:
-    """Refuse a CUDA transport the GPU placement cannot carry: the server takes the first GPU
-    and the trainer the last, so one GPU holds both and two or more keep them apart."""
+    if device_of(cfg) != "cuda":
+        return
+    # The server takes the first GPU and the trainer the last, so one GPU holds both and two or
+    # more keep them apart: refuse a CUDA transport this placement cannot carry.
+    transport, gpus = cfg.sync.transport, gpu_count()
     unset = "or leave sync.transport at 'gloo', which picks the transport by GPU count"
     if transport == "nccl" and gpus < 2:
         raise ValueError(
@@ -131,14 +129,19 @@ def gpu_total_bytes() -> int:
     return torch.cuda.get_device_properties(0).total_memory
 
 
+def _server_terms(shape: cost.ModelShape, cfg: Any) -> dict[str, int]:
+    """:func:`cost.server_terms` for the ring's requests in flight at full context."""
+    return cost.server_terms(shape, cfg.generators * cfg.max_inflight, cfg.context_len,
+                             dtype_of(cfg))
+
+
 def shared_gpu_fraction(shape: cost.ModelShape | None, cfg: Any) -> float:
     """The server's ``gpu_memory_utilization`` when it shares the one GPU with the trainer: its
-    need (:func:`cost.server_terms` for the ring's requests) over the card, rounded up to 0.01;
-    ``SHARED_GPU_FALLBACK`` for a model whose shape is unknown here."""
+    need (:func:`_server_terms`) over the card, rounded up to 0.01; ``SHARED_GPU_FALLBACK`` for
+    a model whose shape is unknown here."""
     if shape is None:
         return SHARED_GPU_FALLBACK
-    need = sum(cost.server_terms(shape, cfg.generators * cfg.max_inflight, cfg.context_len,
-                                 dtype_of(cfg)).values())
+    need = sum(_server_terms(shape, cfg).values())
     return min(cost.server_fraction(need, gpu_total_bytes()), OWN_GPU_FRACTION)
 
 
@@ -147,21 +150,18 @@ def server_config(model_dir: str, cfg: Any) -> Any:
     from grpo_nb.serving.server import ServerConfig
 
     cfg = cfg.resolve()  # max_tokens and the sync's pause mode (a resolved config: as it is)
-    context = cfg.context_len
-    device, dtype = device_of(cfg), dtype_of(cfg)
-    scfg = ServerConfig(model=str(model_dir), max_model_len=context, dtype=dtype, device=device)
+    device, shape = device_of(cfg), model_shape(str(model_dir))
+    scfg = ServerConfig(model=str(model_dir), max_model_len=cfg.context_len, dtype=dtype_of(cfg),
+                        device=device)
     if cfg.kv_cache_mb is not None:
         scfg.kv_cache_bytes = cfg.kv_cache_mb << 20
     elif device == "cpu":  # every sequence in flight (+ eval and probes) at full context, bounded
-        shape = model_shape(str(model_dir))
-        want = CPU_KV_MIN if shape is None else cost.server_terms(
-            shape, cfg.generators * cfg.max_inflight, context, dtype)["kv_cache"]
+        want = CPU_KV_MIN if shape is None else _server_terms(shape, cfg)["kv_cache"]
         scfg.kv_cache_bytes = min(max(want, CPU_KV_MIN), CPU_KV_MAX)
     if device != "cpu":
         own_gpu = gpu_count() >= 2
         scfg.gpu_memory_utilization = cfg.gpu_memory_utilization or (
-            OWN_GPU_FRACTION if own_gpu else shared_gpu_fraction(model_shape(str(model_dir)),
-                                                                  cfg))
+            OWN_GPU_FRACTION if own_gpu else shared_gpu_fraction(shape, cfg))
         if own_gpu:  # the trainer takes the last GPU, the server the first this process sees
             first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
             scfg.env = {**scfg.env, "CUDA_VISIBLE_DEVICES": first or "0"}

@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,15 +49,17 @@ def _aligned(per_token: list[list[float]], prompt_lens: list[int], width: int) -
 def make_batch(groups: list[Group], pad_id: int) -> Batch:
     """Stack groups into one right-padded batch (sequences are prompt + completion); a rollout
     marked ``masked`` (``overlong="filter"``) keeps its row, with no position in the loss."""
-    rollouts = [r for g in groups for r in g.rollouts]
-    batch = _batch(rollouts, pad_id)
-    batch.loss_mask[[i for i, r in enumerate(rollouts) if r.masked]] = 0.0
+    pairs = [(g.prompt_ids, r) for g in groups for r in g.rollouts]
+    batch = _batch(pairs, pad_id)
+    batch.loss_mask[[i for i, (_, r) in enumerate(pairs) if r.masked]] = 0.0
     return batch
 
 
-def _batch(rollouts: list[Rollout], pad_id: int) -> Batch:
-    seqs = [torch.tensor(r.prompt_ids + r.completion_ids) for r in rollouts]
-    prompt_lens = [len(r.prompt_ids) for r in rollouts]
+def _batch(pairs: Sequence[tuple[list[int], Rollout]], pad_id: int) -> Batch:
+    """``(prompt ids, rollout)`` pairs as one right-padded batch."""
+    rollouts = [r for _, r in pairs]
+    seqs = [torch.tensor(list(p) + r.completion_ids) for p, r in pairs]
+    prompt_lens = [len(p) for p, _ in pairs]
     refs = [r.ref_logprobs for r in rollouts if r.ref_logprobs is not None]
     ids = pad_sequence(seqs, batch_first=True, padding_value=pad_id)
     attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
@@ -69,12 +72,14 @@ def _batch(rollouts: list[Rollout], pad_id: int) -> Batch:
 
 
 @torch.no_grad()
-def completion_logprobs(model: Any, rollouts: list[Rollout], temperature: float = 1.0,
+def completion_logprobs(model: Any, groups: Sequence[Group], temperature: float = 1.0,
                         chunk: int = 64) -> list[torch.Tensor]:
-    """Each rollout's completion-token log-probs under ``model`` (float32, on the CPU)."""
+    """Each rollout's completion-token log-probs under ``model`` (float32, on the CPU), group by
+    group."""
     dev, out = next(model.parameters()).device, []
-    for start in range(0, len(rollouts), chunk):
-        part = rollouts[start:start + chunk]
+    pairs = [(g.prompt_ids, r) for g in groups for r in g.rollouts]
+    for start in range(0, len(pairs), chunk):
+        part = pairs[start:start + chunk]
         b = _batch(part, pad_id=0)  # right padding cannot change earlier tokens' log-probs
         lp = grpo.sequence_logprobs(model, b.input_ids.to(dev), b.attention_mask.to(dev),
                                     temperature, mask=b.loss_mask.to(dev)).float().cpu()

@@ -24,6 +24,7 @@ LOGPROB_TOLERANCE = 1e-4
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significant bits: a rounding is off by <= 2^-8 relative
 LOGIT_MAX = 32.0  # |logit| bound the bf16 tolerance assumes (a trained LM's top logits: ≈ 20-30)
 ROUNDINGS = 4  # bf16 logit error, in roundings of |logit|: measured <= 3 (tests/test_rollouts.py)
+VLLM_GREEDY_BELOW = 1e-5  # vllm/v1/sample/sampler.py's _SAMPLING_EPS
 
 
 def logprob_tolerance(dtype: str, temperature: float = 1.0) -> float:
@@ -40,7 +41,6 @@ def logprob_tolerance(dtype: str, temperature: float = 1.0) -> float:
                          "'bfloat16'")
     t = temperature if temperature >= VLLM_GREEDY_BELOW else 1.0
     return 2 * ROUNDINGS * BF16_UNIT_ROUNDOFF * LOGIT_MAX / t
-VLLM_GREEDY_BELOW = 1e-5  # vllm/v1/sample/sampler.py's _SAMPLING_EPS
 
 
 def sampling_request(cfg: LLMConfig, version: int, seed: int | None = None) -> dict[str, Any]:
@@ -63,12 +63,11 @@ def token_versions(labels: Sequence[str] | None, n_tokens: int, fallback: int) -
 async def generate(client: CompletionsClient, prompt_ids: Sequence[int], params: dict[str, Any],
                    *, kv: str = "keep", version: Callable[[], int] = lambda: 0
                    ) -> list[Completion]:
-    """One ``/inference/v1/generate`` request (``params``: :meth:`CompletionsClient.generate`'s).
-    ``kv="recompute"`` (``WeightSyncConfig.kv``): each choice a sync aborted is resubmitted, once
-    per sync, as prompt + the token ids it produced with ``n`` 1 and the ``max_tokens`` left,
-    salted for ``version()`` then; vLLM queues it until the sync's ``/resume``, so every token
-    after the sync is computed over KV the new weights made. The parts are joined: ids, log-probs,
-    version labels, text. ``"keep"``: the choices as the server ended them."""
+    """:meth:`CompletionsClient.generate` with its ``params``. ``kv="recompute"``
+    (``WeightSyncConfig.kv``): each choice a sync aborted is continued, once per sync, from prompt
+    + its tokens, salted for ``version()`` then; vLLM queues it until the sync's ``/resume``, so
+    every token after the sync is computed over KV the new weights made. ``"keep"``: the choices
+    as the server ended them."""
     outs = await client.generate(list(prompt_ids), **params)
     if kv != "recompute":
         return outs
@@ -90,7 +89,7 @@ async def _resumed(client: CompletionsClient, prompt_ids: list[int], out: Comple
         (more,) = await client.generate(prompt_ids + out.token_ids, **more_params)
         out = Completion(out.token_ids + more.token_ids, out.logprobs + more.logprobs,
                          out.text + more.text, more.finish_reason, out.latency_s + more.latency_s,
-                         out.prompt_token_ids, _labels(out, v) + _labels(more, w))
+                         _labels(out, v) + _labels(more, w))
         v = w
     if out.finish_reason == "abort":  # cut at its last token: what it would have ended as
         out.finish_reason = "length"
@@ -118,14 +117,10 @@ async def sample_group(client: CompletionsClient, prompt: Prompt, cfg: LLMConfig
             break
         if on_abort is not None:
             on_abort()
-    rollouts = []
-    for o in outs:
-        versions = token_versions(o.versions, len(o.token_ids), v)
-        rollouts.append(Rollout(list(prompt.ids), o.token_ids, o.logprobs, o.text,
-                                o.finish_reason, policy_version=min(versions, default=v),
-                                group_id=group_id, latency_s=o.latency_s,
-                                token_versions=versions))
-    oldest = min((r.policy_version for r in rollouts), default=v)
+    rollouts = [Rollout(o.token_ids, o.logprobs, o.text, o.finish_reason, latency_s=o.latency_s,
+                        token_versions=token_versions(o.versions, len(o.token_ids), v))
+                for o in outs]
+    oldest = min((min(r.token_versions, default=v) for r in rollouts), default=v)
     return Group(group_id, prompt.text, prompt.answer, list(prompt.ids), rollouts, oldest,
                  t_submit=start, t_done=time.time(), source=source)
 
@@ -158,12 +153,8 @@ def finish_scoring(group: Group, cfg: LLMConfig) -> Group:
         if cfg.overlong == "soft":
             r.reward += overlong_penalty(len(r.completion_ids), cfg.max_tokens,
                                          cfg.overlong_buffer)
-    return set_advantages(group, cfg.adv_scale)
-
-
-def set_advantages(group: Group, adv_scale: grpo.AdvScale) -> Group:
-    """Set each rollout's advantage within the group, from the rewards set."""
-    adv = grpo.group_advantages(torch.tensor(group.rewards), len(group.rollouts), scale=adv_scale)
+    adv = grpo.group_advantages(torch.tensor(group.rewards), len(group.rollouts),
+                                scale=cfg.adv_scale)
     for r, a in zip(group.rollouts, adv.tolist(), strict=True):
         r.advantage = a
     return group
@@ -217,7 +208,7 @@ def logprob_agreement(model: Any, groups: Sequence[Group], *, temperature: float
         raise ValueError("no rollouts to compare")
     t = temperature if temperature >= VLLM_GREEDY_BELOW else 1.0
     diffs = torch.cat([(mine - torch.tensor(r.sampler_logprobs)).abs() for mine, r in
-                       zip(completion_logprobs(model, rollouts, t), rollouts, strict=True)])
+                       zip(completion_logprobs(model, groups, t), rollouts, strict=True)])
     return {"max_abs_diff": float(diffs.max()), "mean_abs_diff": float(diffs.mean()),
             "tokens": int(diffs.numel()), "tolerance": logprob_tolerance(dtype, t)}
 
@@ -239,27 +230,18 @@ class EvalResult:
     truncated: int  # completions that hit max_tokens (scored wrong)
 
 
-async def greedy_accuracy(client: Any, prompts: Sequence[Prompt],
+async def greedy_accuracy(client: CompletionsClient, prompts: Sequence[Prompt],
                           checker: Callable[[str, str], float], max_tokens: int, *,
-                          batch: int = 64, cache_salt: str | None = None) -> EvalResult:
-    """Held-out accuracy of greedy samples (``batch`` prompts a request), a truncated one wrong."""
+                          cache_salt: str | None = None) -> EvalResult:
+    """Held-out accuracy of greedy samples (a request a prompt, all in flight within the
+    client's ``max_in_flight``), a truncated one wrong."""
     if not prompts:
         return EvalResult(float("nan"), 0, 0)
-
-    async def chunk(part: Sequence[Prompt]) -> list[Any]:
-        outs = await client.complete([list(p.ids) for p in part], max_tokens=max_tokens,
-                                     temperature=0.0, n=1,
-                                     **({"cache_salt": cache_salt} if cache_salt else {}))
-        if len(outs) != len(part):
-            raise RuntimeError(f"evaluation: {len(part)} prompts, {len(outs)} completions")
-        return outs
-
-    parts = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    results = await asyncio.gather(*(chunk(p) for p in parts))
+    outs = await asyncio.gather(*(client.generate(list(p.ids), max_tokens=max_tokens,
+                                                  temperature=0.0, cache_salt=cache_salt)
+                                  for p in prompts))
     correct = truncated = 0
-    for prompt, out in zip(prompts, (o for outs in results for o in outs), strict=True):
-        if out.prompt_token_ids is not None and list(out.prompt_token_ids) != list(prompt.ids):
-            raise RuntimeError("evaluation: completions came back out of prompt order")
+    for prompt, (out,) in zip(prompts, outs, strict=True):
         truncated += out.finish_reason == "length"
         correct += out.finish_reason == "stop" and checker(out.text, prompt.answer) >= 1.0
     return EvalResult(correct / len(prompts), len(prompts), truncated)

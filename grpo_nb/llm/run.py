@@ -14,15 +14,17 @@ from typing import Any
 
 from grpo_nb import partition
 from grpo_nb.config import runs_dir, smoke_mode, unique_run_name
+from grpo_nb.llm import placement
 from grpo_nb.llm.actors import Generator, Reference, Scorer, Trainer
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.llm.data import RingSpec, load_data
 from grpo_nb.llm.policy import resolve_checkpoint
 from grpo_nb.llm.summary import RunResult, summarize
 from grpo_nb.metrics import MetricsRecorder
-from grpo_nb.ring import Controller, Event, Ring, RingError
+from grpo_nb.ring import Controller, Event, RingError
 from grpo_nb.ring_core import Admit
 from grpo_nb.serving.processes import wait_exit
+from grpo_nb.serving.server import VLLMServer
 from grpo_nb.tiny_model import build_or_load
 
 
@@ -69,11 +71,9 @@ class ServerWatch:
 def trainer_cores(cfg: LLMConfig, server: Any, backend: str) -> Iterator[partition.Plan]:
     """Within it, a CPU trainer in this process runs on the cores a pinned server leaves free;
     the plan states the torch threads the trainer sets (``cfg.trainer_threads``)."""
-    from grpo_nb.llm.placement import trainer_device
-
     if backend != "asyncio":
         p = partition.Plan(why="the trainer runs in a process of its own")
-    elif trainer_device(cfg) != "cpu":
+    elif placement.trainer_device(cfg) != "cpu":
         p = partition.Plan(why="the trainer runs on a GPU")
     else:
         p = partition.beside(getattr(server, "cpus", None))
@@ -90,23 +90,15 @@ async def _forward_stop(stop: asyncio.Event, trainer: Any) -> None:
 STAGES = {"generators": Generator, "scorer": Scorer, "reference": Reference, "trainer": Trainer}
 
 
-async def start_ring(ring: Controller, cfg: LLMConfig, spec: RingSpec, *,
-                     admit: Admit | None = None) -> Ring:
-    """Spawn and wire the LLM ring's four stages under ``ring`` (the trainer with ``admit``,
-    None: :func:`grpo_nb.ring_core.admit`); on Monarch the trainer gets a process of its own
-    (its torch threads, its GPU), else every stage but the generators runs in this one."""
-    own = {"trainer": ring.procs(1)} if ring.backend == "monarch" else {}
-    return await ring.start_ring(STAGES, (cfg, spec), generators=cfg.generators, procs=own,
-                                 admit=admit)
-
-
 async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, server: Any = None,
                    on_event: Callable[[str, MetricsRecorder], None] | None = None,
                    stop: asyncio.Event | None = None, backend: str = "asyncio",
                    admit: Admit | None = None) -> dict[str, Any]:
-    """Spawn the ring (:func:`start_ring`, the trainer with ``admit``), relay its events into
-    ``rec`` (then ``on_event(kind, rec)``) until the trainer exits; ``stop`` ends it after the
-    current step. Returns the trainer's exit data."""
+    """Spawn and wire the ring's four stages (the trainer with ``admit``, None:
+    :func:`grpo_nb.ring_core.admit`), relay its events into ``rec`` (then ``on_event(kind,
+    rec)``) until the trainer exits; ``stop`` ends it after the current step. On Monarch the
+    trainer gets a process of its own (its torch threads, its GPU), else every stage but the
+    generators runs in this one. Returns the trainer's exit data."""
     if stop is not None and not isinstance(stop, asyncio.Event):
         raise TypeError(f"stop must be an asyncio.Event, got {type(stop).__name__}")
     watch = ServerWatch(server) if server is not None else None
@@ -120,7 +112,9 @@ async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, serv
         with trainer_cores(cfg, server, backend) as plan:
             rec.log("partition", plan=plan.describe(), active=plan.active)
             async with Controller(backend, rec) as ring:
-                trainer = (await start_ring(ring, cfg, spec, admit=admit)).trainer
+                own = {"trainer": ring.procs(1)} if backend == "monarch" else {}
+                trainer = (await ring.start_ring(STAGES, (cfg, spec), generators=cfg.generators,
+                                                 procs=own, admit=admit)).trainer
                 watchers = [*([watch.died(lambda: len(rec.rows("step")))] if watch else []),
                             *([_forward_stop(stop, trainer)] if stop is not None else [])]
                 exited = await ring.relay(
@@ -184,7 +178,4 @@ async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: st
 
 def server_for(model: str, cfg: LLMConfig) -> Any:
     """An unstarted vLLM server for ``model`` with settings derived from ``cfg``."""
-    from grpo_nb.llm.placement import server_config
-    from grpo_nb.serving.server import VLLMServer
-
-    return VLLMServer(server_config(model, cfg))
+    return VLLMServer(placement.server_config(model, cfg))

@@ -1,7 +1,6 @@
-"""An async client for vLLM's ``/v1/completions`` and its token-in/token-out
-``/inference/v1/generate``: token ids in, token ids and log-probs out (and, from the latter, the
-weight version that sampled each token); aborted choices come back with
-``finish_reason="abort"`` for the caller to resample."""
+"""An async client for vLLM's token-in/token-out ``/inference/v1/generate``: token ids in; token
+ids, log-probs and the weight version that sampled each token out; aborted choices come back
+with ``finish_reason="abort"`` for the caller to resample."""
 
 from __future__ import annotations
 
@@ -80,8 +79,7 @@ class Completion:
     text: str
     finish_reason: str | None
     latency_s: float
-    prompt_token_ids: list[int] | None = None
-    versions: list[str] | None = None  # each token's weight-version label (generate only)
+    versions: list[str] | None = None  # each token's weight-version label, when the server sent it
 
 
 @dataclass
@@ -99,7 +97,8 @@ class ClientConfig:
 
 
 class CompletionsClient:
-    """Async client of one server's ``/v1`` and ``model`` (``async with``, or ``close()``)."""
+    """Async client of one server's ``model`` (``async with``, or ``close()``); ``base_url``
+    ends in ``/v1``, as :attr:`VLLMServer.base_url` does."""
 
     def __init__(self, base_url: str, model: str, cfg: ClientConfig | None = None, *,
                  api_key: str | None = None) -> None:
@@ -140,28 +139,17 @@ class CompletionsClient:
         self.stats.errors = (self.stats.errors + [f"{kind}: {message}"])[-20:]
         return CompletionError(kind, message, status)
 
-    async def complete(self, prompt_ids: list[int], *, max_tokens: int = 16,
-                       temperature: float = 1.0, top_p: float = 1.0, n: int = 1,
-                       **extra: Any) -> list[Completion]:
-        """Sample ``n`` completions of a token-id prompt; raises :class:`CompletionError`.
-        ``extra`` joins the request body as is (``seed``, ``ignore_eos``, ``cache_salt`` …)."""
-        body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
-                "temperature": temperature, "top_p": top_p, **NEUTRAL_SAMPLING, "n": n,
-                "logprobs": 1, "return_token_ids": True, **extra}
-        async with self._sem:
-            self.stats.requests += 1
-            return await self._post_with_retries(body, f"{self.base_url}/completions")
-
     async def generate(self, prompt_ids: list[int], *, max_tokens: int = 16,
                        temperature: float = 1.0, top_p: float = 1.0, n: int = 1,
                        cache_salt: str | None = None, **extra: Any) -> list[Completion]:
-        """:meth:`complete` through ``POST /inference/v1/generate`` (a server started with
-        ``--enable-scale-out``), where each completion also carries the weight-version label
-        that sampled each token (``Completion.versions``, set by ``/update_weight_version``).
-        ``extra`` joins ``sampling_params`` as is (``seed``, ``ignore_eos`` …)."""
+        """Sample ``n`` completions of a token-id prompt through ``POST /inference/v1/generate``
+        (a server started with ``--enable-scale-out``); raises :class:`CompletionError`. Each
+        completion carries the weight-version label that sampled each token
+        (``Completion.versions``, set by ``/update_weight_version``). ``extra`` joins
+        ``sampling_params`` as is (``seed``, ``ignore_eos``, ``logit_bias`` …)."""
         params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                   **NEUTRAL_SAMPLING, "n": n, "logprobs": 0, **extra}
-        # output_mode "text": the server detokenizes as /v1/completions does (the reward's text)
+        # output_mode "text": the server detokenizes the completion (the text the reward reads)
         body = {"model": self.model, "token_ids": list(prompt_ids), "output_mode": "text",
                 "sampling_params": params, **({"cache_salt": cache_salt} if cache_salt else {})}
         url = f"{self.base_url.removesuffix('/v1')}/inference/v1/generate"
@@ -187,10 +175,9 @@ class CompletionsClient:
             except TimeoutError as err:
                 raise self._fail("timeouts", f"no answer within {self.cfg.timeout_s} s "
                                  f"(ClientConfig.timeout_s) from {url}") from err
-            if resp.status_code >= 400:
-                kind = "http_4xx" if resp.status_code < 500 else "http_5xx"
-                raise self._fail(kind, f"HTTP {resp.status_code} from {url}: {resp.text[:500]}",
-                                 resp.status_code)
+            if (code := resp.status_code) >= 400:
+                raise self._fail("http_4xx" if code < 500 else "http_5xx",
+                                 f"HTTP {code} from {url}: {resp.text[:500]}", code)
             return self._parse(resp.json(), time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
@@ -198,9 +185,8 @@ class CompletionsClient:
         out = []
         for choice in payload.get("choices", []):
             ids = list(choice.get("token_ids") or [])
-            lp = choice.get("logprobs") or {}  # /v1/completions' shape, else generate's
-            lps = [float(x) for x in lp["token_logprobs"] or []] if "token_logprobs" in lp \
-                else [float(c["logprob"]) for c in lp.get("content") or []]
+            content = (choice.get("logprobs") or {}).get("content") or []
+            lps = [float(c["logprob"]) for c in content]
             reason, text = choice.get("finish_reason"), choice.get("text") or ""
             versions = None
             if choice.get("weight_versions") is not None:
@@ -218,8 +204,7 @@ class CompletionsClient:
                 raise self._fail("http_5xx", f"{len(ids)} token ids but {len(lps)} log-probs")
             elif not text:
                 self.stats.empty_text += 1
-            out.append(Completion(ids, lps, text, reason, latency, choice.get("prompt_token_ids"),
-                                  versions))
+            out.append(Completion(ids, lps, text, reason, latency, versions))
         if not out:
             raise self._fail("empty", "response without choices")
         self.stats.ok += 1

@@ -20,14 +20,13 @@ from grpo_nb.tasks.arithmetic import (
     is_arithmetic_name,
     make_dataset,
 )
-from grpo_nb.tasks.files import check_data_file, check_data_folder
+from grpo_nb.tasks.files import FILE_BUILDERS, check_data_file, check_data_folder
 from grpo_nb.tasks.rewards import after_hashes, extract_answer, reward_terms
 
 if TYPE_CHECKING:  # imported where data is loaded: checking a config needs no datasets
     import datasets
 
 HUB_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
 _HUB_NAME = re.compile(r"[\w.-]+(?:/[\w.-]+)?(?::[\w.-]+)?")
 Row = dict[str, Any]
@@ -122,8 +121,7 @@ def _splits(data: datasets.DatasetDict, where: str, test_size: int | float | Non
     train_name = "train" if "train" in data else next(iter(data))
     test_name = next((s for s in ("test", "validation") if s in data and s != train_name), None)
     train = data[train_name]
-    _check_format({train_name: train, **({test_name: data[test_name]} if test_name else {})},
-                  where)
+    _check_format({name: data[name] for name in (train_name, test_name) if name}, where)
     if test_name is not None:
         return train, data[test_name]
     size = 0.1 if test_size is None else test_size
@@ -135,25 +133,29 @@ def _splits(data: datasets.DatasetDict, where: str, test_size: int | float | Non
     return split["train"], split["test"]
 
 
+def _question(columns: list[str], where: str) -> str | None:
+    """The rows' question field (``None``: ``messages`` rows), in one of :data:`FORMATS`."""
+    cols = set(columns)
+    if "messages" in cols:
+        return None
+    question = next((q for q in ("question", "problem") if q in cols), None)
+    if question is None:
+        raise InputError(f"{where}: unknown row format, columns {sorted(cols)}; "
+                         f"expected {FORMATS}")
+    if "answer" not in cols:
+        raise InputError(f"{where}: the rows have a {question!r} field but no 'answer' field; "
+                         f"expected {FORMATS}")
+    return question
+
+
 def _check_format(splits: dict[str, datasets.Dataset], where: str) -> None:
     """Each split's rows in one of :data:`FORMATS`, every row with its fields: checked before a
     test split is held out, so a missing field is named as such (not as too few rows to split)."""
     import pyarrow.compute as pc
 
     for name, split in splits.items():
-        cols = set(split.column_names)
-        question = next((q for q in ("question", "problem") if q in cols), None)
-        if "messages" in cols:
-            needed = ["messages"]
-        elif question is None:
-            raise InputError(f"{where} ({name}): unknown row format, columns {sorted(cols)}; "
-                             f"expected {FORMATS}")
-        elif "answer" not in cols:
-            raise InputError(f"{where} ({name}): the rows have a {question!r} field but no "
-                             f"'answer' field; expected {FORMATS}")
-        else:
-            needed = [question, "answer"]
-        for col in needed:
+        question = _question(split.column_names, f"{where} ({name})")
+        for col in [question, "answer"] if question else ["messages"]:
             column = split.data.table.column(col)
             if column.null_count:
                 row = pc.index(pc.is_null(column), True).as_py() + 1
@@ -196,12 +198,8 @@ def _from_messages(row: Row, where: str, system_prompt: str | None) -> Row:
 
 def _row_converter(columns: list[str], where: str, system_prompt: str | None,
                   instruction: str | None) -> Callable[[Row, int], Row]:
-    cols = set(columns)
-    if "messages" in cols:
+    if (question := _question(columns, where)) is None:
         return lambda row, i: _from_messages(row, f"{where}, row {i}", system_prompt)
-    question = next((q for q in ("question", "problem") if {q, "answer"} <= cols), None)
-    if question is None:
-        raise ValueError(f"{where}: unknown row format, columns {sorted(cols)}; expected {FORMATS}")
 
     def convert(row: Row, i: int) -> Row:
         text = str(row[question]).strip()
@@ -244,22 +242,17 @@ def load_task(dataset: str, *, test_size: int | float | None = None, split_seed:
 
 
 def check_task_fields(cfg: Any) -> None:
-    """A config's data and reward fields, checked without loading or importing anything."""
+    """An ``LLMConfig``'s data and reward fields, checked without loading or importing anything,
+    after ``check_fields`` has checked their types."""
     try:
         dataset_source(cfg.dataset)
     except (ValueError, FileNotFoundError) as err:
         why = str(err).removeprefix(f"dataset={cfg.dataset!r}: ")
         raise ValueError(f"LLMConfig.dataset={cfg.dataset!r}: {why}") from None
     size = cfg.test_size
-    if size is not None and (isinstance(size, bool) or not (
-            (isinstance(size, int) and size >= 1) or (isinstance(size, float) and 0 < size < 1))):
+    if size is not None and not (size >= 1 if isinstance(size, int) else 0 < size < 1):
         raise ValueError(f"LLMConfig.test_size={size!r}: a row count >= 1, a fraction in "
                          "(0, 1), or None (the data's test split, else 10 %)")
-    if cfg.system_prompt is not None and not isinstance(cfg.system_prompt, str):
-        raise ValueError(f"LLMConfig.system_prompt={cfg.system_prompt!r}: a string or None")
-    if cfg.chat_template_kwargs is not None and not isinstance(cfg.chat_template_kwargs, dict):
-        raise ValueError(f"LLMConfig.chat_template_kwargs={cfg.chat_template_kwargs!r}: "
-                         "a dict or None")
     try:
         reward_terms(cfg.reward)
     except (ValueError, TypeError) as err:

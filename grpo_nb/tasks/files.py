@@ -12,7 +12,8 @@ from grpo_nb.config import InputError
 JSON_EXPECTED = ('JSON Lines: one object per line, e.g. {"question": "…", "answer": "… #### 42"}'
                  ', or a JSON list of such objects')
 PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it
-DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+# the files the loader reads, and its builder for each
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def _kind(value: object) -> str:
@@ -53,34 +54,28 @@ def json_problem(path: Path) -> str | None:
     return None
 
 
-def parquet_problem(path: Path) -> str | None:
-    """Why ``path`` is not a Parquet file (its magic bytes), or None."""
-    with path.open("rb") as f:
-        head = f.read(4)
-        f.seek(max(0, path.stat().st_size - 4))
-        tail = f.read(4)
-    if head == PARQUET_MAGIC and tail == PARQUET_MAGIC:
-        return None
-    return f"not a Parquet file (it does not start and end with {PARQUET_MAGIC!r})"
-
-
 def check_data_file(path: Path) -> None:
     """Raise :class:`InputError` naming ``path``, the line and the expected format when the
     ``datasets`` loader would refuse it."""
+    parquet = path.suffix.lower() == ".parquet"
     if path.stat().st_size == 0:
-        raise InputError(f"dataset {path}: the file is empty; expected {JSON_EXPECTED}"
-                         if path.suffix.lower() != ".parquet" else
-                         f"dataset {path}: the file is empty; expected a Parquet table")
-    if path.suffix.lower() == ".parquet":
-        if problem := parquet_problem(path):
-            raise InputError(f"dataset {path}: {problem}; expected a Parquet table of rows")
-    elif problem := json_problem(path):
-        raise InputError(f"dataset {path}, {problem}; expected {JSON_EXPECTED}")
+        raise InputError(f"dataset {path}: the file is empty; expected "
+                         + ("a Parquet table" if parquet else JSON_EXPECTED))
+    if not parquet:
+        if problem := json_problem(path):
+            raise InputError(f"dataset {path}, {problem}; expected {JSON_EXPECTED}")
+        return
+    with path.open("rb") as f:
+        head = f.read(4)
+        f.seek(max(0, path.stat().st_size - 4))
+        if (head, f.read(4)) != (PARQUET_MAGIC, PARQUET_MAGIC):
+            raise InputError(f"dataset {path}: not a Parquet file (it does not start and end "
+                             f"with {PARQUET_MAGIC!r}); expected a Parquet table of rows")
 
 
 def check_data_folder(folder: Path) -> None:
     """:func:`check_data_file` for each data file in ``folder`` the loader would read."""
     for path in sorted(folder.rglob("*")):
         hidden = any(part.startswith(".") for part in path.relative_to(folder).parts)
-        if path.is_file() and path.suffix.lower() in DATA_SUFFIXES and not hidden:
+        if path.is_file() and path.suffix.lower() in FILE_BUILDERS and not hidden:
             check_data_file(path)

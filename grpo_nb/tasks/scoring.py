@@ -1,21 +1,21 @@
 """Rewards off the event loop, each completion's bounded in time: :class:`BoundedReward` (the LLM
 ring's Scorer shares its loop with other actors, which one slow answer must not stall).
 
-A reward given by names (every term of its spec a string: ``"math"``, ``"exact+0.1*format"``,
-``"module:function"``) runs in a child Python process started with ``python -c`` (so no
-``__main__`` is imported again), on that process's main thread, where math-verify's own
-timeouts work: they use SIGALRM, which only a main thread may set
-(:func:`~grpo_nb.tasks.rewards.math_answer`). A completion not scored within ``timeout_s`` kills
-the process, the next call starts another, and its score is ``None``: a process can be stopped,
-a thread cannot. A reward given as a callable (a notebook cell's function does not import in
-another process) runs in a daemon thread of its own, under the same bound; there math-verify
-runs without its timeout, and a thread past the bound is left running, its score ``None``.
+Two routes, because each one alone loses something. A reward given by names (every term of its
+spec a string: ``"math"``, ``"exact+0.1*format"``, ``"module:function"``) runs in a child Python
+process started with ``python -c`` (so no ``__main__`` is imported again), on its main thread,
+where math-verify's own timeouts work (SIGALRM: :func:`~grpo_nb.tasks.rewards.math_answer`);
+past ``timeout_s`` the process is killed (a process can be stopped, a thread cannot) and the
+next call starts another. A callable (a notebook cell's function does not import in another
+process) runs in a daemon thread of its own under the same bound, math-verify there without its
+timeout; a thread past the bound is left running. Either way a completion past the bound scores
+``None``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import json
 import os
 import signal
@@ -37,11 +37,6 @@ class RewardError(RuntimeError):
 
 def _line(obj: Any) -> bytes:
     return json.dumps(obj).encode() + b"\n"
-
-
-def _settle(done: asyncio.Future, result: tuple[bool, Any]) -> None:
-    if not done.done():  # not already given up on (timed out)
-        done.set_result(result)
 
 
 class BoundedReward:
@@ -123,25 +118,20 @@ class BoundedReward:
         return reply
 
     async def _in_thread(self, text: str, answer: str) -> float | None:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+        done: concurrent.futures.Future[float] = concurrent.futures.Future()
+        done.set_running_or_notify_cancel()  # so a timeout cannot cancel it under the thread
 
         def run() -> None:
             try:
-                result: tuple[bool, Any] = (True, self.reward(text, answer))
+                done.set_result(self.reward(text, answer))
             except Exception as err:
-                result = (False, err)
-            with contextlib.suppress(RuntimeError):  # the loop closed while it ran
-                loop.call_soon_threadsafe(_settle, done, result)
+                done.set_exception(err)
 
         threading.Thread(target=run, name="grpo-reward", daemon=True).start()
-        try:
-            ok, value = await asyncio.wait_for(done, self.timeout_s)
+        try:  # wrap_future drops the result of a thread that ends after the loop closed
+            return float(await asyncio.wait_for(asyncio.wrap_future(done), self.timeout_s))
         except TimeoutError:
             return None
-        if not ok:
-            raise value
-        return float(value)
 
 
 def serve() -> None:

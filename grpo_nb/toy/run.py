@@ -84,31 +84,26 @@ async def run_ring(cfg: ToyConfig, recorder: MetricsRecorder | None = None,
     tensors are tiny, and on a loaded 2-core machine a second thread waiting for a busy core
     made the ring 4-9x slower (60 steps: 15-32 s against 3.4 s)."""
     with torch_settings(threads=1):
-        return await _run_ring(cfg, recorder, on_step)
+        weights = build_policy(cfg, seed=cfg.seed).state_dict()  # the trainer's first weights
+        async with Controller(cfg.backend, recorder, stop_timeout_s=10.0) as ctl:
+            roles = ("trainer", "scorer", "reference")
+            if cfg.layout == "per_role":
+                procs = {role: ctl.procs() for role in roles}
+            else:  # scorer, reference and trainer share one process
+                procs = dict.fromkeys(roles, ctl.procs())
+            stages = {"generators": Generator, "scorer": Scorer, "reference": Reference,
+                      "trainer": Trainer}
+            args = {"generators": (cfg, weights), "scorer": (cfg,), "reference": (cfg, weights),
+                    "trainer": (cfg,)}
+            await ctl.start_ring(stages, args, generators=cfg.generators, procs=procs)
+            t0 = time.perf_counter()
 
+            def relayed(event: Event) -> None:
+                if event.kind == "step" and on_step is not None:
+                    on_step(ctl.rec)
 
-async def _run_ring(cfg: ToyConfig, recorder: MetricsRecorder | None,
-                    on_step: Callable[[MetricsRecorder], None] | None) -> RingResult:
-    weights = build_policy(cfg, seed=cfg.seed).state_dict()  # the trainer's first weights
-    async with Controller(cfg.backend, recorder, stop_timeout_s=10.0) as ctl:
-        if cfg.layout == "per_role":
-            procs = {role: ctl.procs() for role in ("trainer", "scorer", "reference")}
-        else:  # scorer, reference and trainer share one process
-            procs = dict.fromkeys(("trainer", "scorer", "reference"), ctl.procs())
-        stages = {"generators": Generator, "scorer": Scorer, "reference": Reference,
-                  "trainer": Trainer}
-        args = {"generators": (cfg, weights), "scorer": (cfg,), "reference": (cfg, weights),
-                "trainer": (cfg,)}
-        await ctl.start_ring(stages, args, generators=cfg.generators,
-                             procs={**procs, "generators": ctl.procs(cfg.generators)})
-        t0 = time.perf_counter()
-
-        def relayed(event: Event) -> None:
-            if event.kind == "step" and on_step is not None:
-                on_step(ctl.rec)
-
-        exited = await ctl.relay({"scorer", "reference", "trainer"}, on_event=relayed)
-        wall = time.perf_counter() - t0
+            exited = await ctl.relay(set(roles), on_event=relayed)
+            wall = time.perf_counter() - t0
     return summarize(ctl.rec, cfg, wall, exited["trainer"].get("dropped", 0))
 
 
@@ -196,14 +191,13 @@ def sweep_figure(points: list[SweepPoint]) -> Figure:
     ax_s.plot(tails, [p.speedup for p in points], "o-", label="measured")
     ax_s.plot(tails, [p.predicted_speedup for p in points], "s--", label="cost model")
     ax_s.axhline(1.0, color="grey", lw=0.8)
-    ax_s.set(xlabel="tail of generation time (log-normal σ)", ylabel="sync ÷ async step time",
-             title="async speed-up")
-    ax_s.legend()
+    ax_s.set(ylabel="sync ÷ async step time", title="async speed-up")
     ax_st.plot(tails, [p.staleness_sync for p in points], "o-", label="sync")
     ax_st.plot(tails, [p.staleness_async for p in points], "o-", label="async")
-    ax_st.set(xlabel="tail of generation time (log-normal σ)", ylabel="mean staleness",
-              title="what it costs: staleness")
-    ax_st.legend()
+    ax_st.set(ylabel="mean staleness", title="what it costs: staleness")
+    for ax in (ax_s, ax_st):
+        ax.set(xlabel="tail of generation time (log-normal σ)")
+        ax.legend()
     fig.tight_layout()
     return fig
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from grpo_nb.config import Ge, Lt, NonNegFloat, NonNegInt, PosFloat, PosInt, check_fields
 from grpo_nb.grpo import (
+    OBJECTIVE_FIELDS,
     SAPO_TEMPERATURE_NEG,
     SAPO_TEMPERATURE_POS,
     AdvScale,
@@ -69,13 +70,8 @@ class ToyConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        check_objective(loss_type=self.loss_type,
-                        importance_sampling_level=self.importance_sampling_level,
-                        off_policy_mask_threshold=self.off_policy_mask_threshold,
-                        delta=self.delta, clip_high=self.clip,
-                        sapo_temperature_pos=self.sapo_temperature_pos,
-                        sapo_temperature_neg=self.sapo_temperature_neg, prefix="ToyConfig.",
-                        clip_high_name="clip")
+        check_objective(**{k: getattr(self, k) for k in OBJECTIVE_FIELDS}, clip_high=self.clip,
+                        prefix="ToyConfig.", clip_high_name="clip")
 
     @classmethod
     def smoke(cls) -> ToyConfig:

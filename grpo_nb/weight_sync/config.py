@@ -15,7 +15,7 @@ from grpo_nb.config import NonNegFloat, PosFloat, PosInt, check_fields
 Transport = Literal["gloo", "reload", "nccl", "ipc"]
 PauseMode = Literal["keep", "wait", "abort", "none"]
 KVMode = Literal["keep", "recompute"]
-EXTENSION = "grpo_nb.weight_sync.worker.GrpoWorkerExtension"
+EXTENSION = "grpo_nb.weight_sync.server_side.GrpoWorkerExtension"  # --worker-extension-cls
 SendDtype = Literal["float32", "bfloat16", "float16"]
 # The slowest rate a transfer's bytes are assumed to move at: a verified sync digests every byte
 # on the worker (verify.digest: a copy to the CPU, then blake2b on one core), which ran at

@@ -1,14 +1,15 @@
 """The trainer's side of vLLM's weight transfer: the gloo transport (vLLM's own engines need
-CUDA), its loopback-only group and the trainer's engine, which broadcasts each tensor while one
-``/collective_rpc`` receives them (worker.py), and :func:`trainer_engine` for every transport."""
+CUDA), its loopback-only group and the trainer's engine, which posts a broadcast of each tensor,
+then makes the one ``/collective_rpc`` that receives and loads them (server_side.py);
+:func:`trainer_engine` for every transport, and :func:`beside`, the sync's one thread."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
-import time
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -28,7 +29,6 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 
 from grpo_nb.serving.net import LOOPBACK, free_port, is_loopback
 from grpo_nb.weight_sync import verify
-from grpo_nb.weight_sync.config import Phases
 
 BACKEND = "gloo"
 STATUS_OK, STATUS_ABORTED = 1, 0  # the last broadcast of a sync: did the trainer send it all?
@@ -97,8 +97,25 @@ class GlooTrainerInitInfo(base.TrainerInitInfo):
     timeout_s: float = 120.0
 
 
+def beside(fn: Callable[[], Any], name: str) -> Future:
+    """``fn`` on a daemon thread of its own, the weight sync's only one: for a call that must
+    run while the caller blocks (the rendezvous), or one its caller may abandon (a transfer:
+    a CUDA call, or the trainer's own gather, can hang). Returns ``fn``'s :class:`Future`."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as err:  # handed to the waiting thread
+            future.set_exception(err)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return future
+
+
 class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """Broadcasts each parameter while one ``collective_rpc`` runs the worker's receive."""
+    """Posts a broadcast of each parameter, then one ``collective_rpc`` runs the worker's
+    receive; the RPC's answer says the worker has every tensor."""
 
     init_info_cls = GlooTrainerInitInfo
 
@@ -107,9 +124,7 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         super().__init__(client=client, source=source)  # the sender: rank 0 of two
         self.timeout_s = timeout_s
         self.group: Any = None
-        self.last: dict[str, float] = {}  # the last send's timings in ms, both sides
-        # One long-lived thread for the update RPC: its HTTP connection stays open between syncs.
-        self._rpc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-gloo-rpc")
+        self.last: dict[str, float] = {}  # the last send's server-side timings in ms
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: base.VLLMWeightSyncClient,
@@ -118,44 +133,46 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         sock = listen_loopback()
         worker_info = GlooInitInfo(LOOPBACK, sock.getsockname()[1], 2, rank_offset=1,
                                    timeout_s=init_info.timeout_s)
-        # The worker blocks in the rendezvous until we join too: run its RPC on a thread.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            rpc = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            try:
-                engine.group = open_group(0, 2, init_info.timeout_s, listen_socket=sock)
-            finally:
-                rpc.result()  # surface the server's error (e.g. unknown backend) first
+        # The worker blocks in the rendezvous until we join too: its RPC runs beside us.
+        rpc = beside(lambda: client.init_weight_transfer_engine(asdict(worker_info)),
+                     "grpo-gloo-join")
+        try:
+            engine.group = open_group(0, 2, init_info.timeout_s, listen_socket=sock)
+        finally:
+            rpc.result()  # surface the server's error (e.g. unknown backend) first
         return engine
 
     def send_weights(self, record: bool = False) -> None:
-        """One sync; ``record``: the worker digests every tensor it loads."""
+        """One sync; ``record``: the worker digests every tensor it loads. The broadcasts are
+        posted first (gloo's threads send them as the worker receives), then the RPC blocks
+        until the worker has received and loaded them all, or refused."""
         assert self.source is not None and self.group is not None
         meta = self.source.metadata()
         info = GlooUpdateInfo(names=[m.name for m in meta],
                               dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                               shapes=[list(m.shape) for m in meta])
-        tensors = checked(self.source, meta)
-        timed, works = Phases(), []
+        works: list[Any] = []
         keep: list[torch.Tensor] = []  # the posted sends read these asynchronously
         try:
-            with timed("rpc"):
-                rpc = self._rpc_pool.submit(  # worker.py's method: receive and load, one RPC
-                    self.client.collective_rpc, "grpo_gloo_sync",  # type: ignore[attr-defined]
-                    {"update_info": asdict(info), "record": record}, self.timeout_s)
-                with timed("transfer"):
-                    failure = self._post_sends(meta, tensors, works, keep)
-                    _wait_all(works, rpc, time.monotonic() + self.timeout_s)
-                if failure is not None:
-                    with contextlib.suppress(Exception):  # the worker reports "aborted": ours
-                        rpc.result()                      # is the cause worth raising
-                    raise failure
-                results = rpc.result()
+            failure = self._post_sends(meta, checked(self.source, meta), works, keep)
+            try:  # server_side.py's method: receive and load, one RPC
+                results = self.client.collective_rpc(  # type: ignore[attr-defined]
+                    "grpo_gloo_sync", {"update_info": asdict(info), "record": record},
+                    self.timeout_s)
+            except Exception:
+                if failure is None:
+                    raise
+                results = None  # the worker reports "aborted": ours is the cause worth raising
+            if failure is not None:
+                raise failure
+            for work in works:  # complete: the worker answered with every tensor received
+                work.wait()
         except BaseException:
             # Close our sockets so the worker's pending receives fail now, not at the timeout.
             self.shutdown()
             raise
         server = results[0] if results and isinstance(results[0], dict) else {}
-        self.last = {**timed, **{key.removesuffix("_ms"): ms for key, ms in server.items()}}
+        self.last = {key.removesuffix("_ms"): ms for key, ms in server.items()}
 
     def _post_sends(self, meta: list[base.ParamMeta], tensors: Iterator[tuple[str, torch.Tensor]],
                     works: list[Any], keep: list[torch.Tensor]) -> Exception | None:
@@ -181,8 +198,6 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         return failure
 
     def shutdown(self) -> None:
-        # Never join the RPC thread: after a failure it may still wait on a dead server.
-        self._rpc_pool.shutdown(wait=False)
         if self.group is not None:
             group, self.group = self.group, None
             close_group(group)
@@ -215,19 +230,6 @@ def trainer_engine(transport: str, client: base.VLLMWeightSyncClient, source: ba
     else:
         info = IPCTrainerInitInfo(rank=0)
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-
-
-def _wait_all(works: list[Any], rpc: Future, deadline: float) -> None:
-    """Wait for every send; stop early if the worker's RPC fails first (it refused)."""
-    for work in works:
-        while not work.is_completed():
-            if rpc.done():
-                rpc.result()  # raises the server's error
-                break  # it succeeded, so it received everything: our send is just late to say so
-            if time.monotonic() > deadline:
-                raise TimeoutError("gloo send did not complete before the timeout")
-            time.sleep(0.0005)
-        work.wait()  # raises a transport error (peer gone)
 
 
 # Once per process: a module's body runs once (a second registration raises ValueError).

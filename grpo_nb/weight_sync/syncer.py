@@ -1,16 +1,19 @@
 """Push the trainer's weights into a running vLLM server (``/pause``, every tensor, the version,
-``/resume``, each step bounded) and prove they arrived and were applied; a half-sent server
-stays paused; after an NCCL update the server never answered, every later sync is refused
-(the server must be restarted)."""
+``/resume``, each step bounded) and prove they arrived and were applied. A sync moves through
+:class:`State`: a half-sent server stays paused (``DIRTY``) until a full re-send succeeds; after
+an NCCL update the server never answered (``WEDGED``) every later sync is refused (the server
+must be restarted)."""
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +21,77 @@ import torch
 from safetensors.torch import save_file
 
 from grpo_nb import grpo
+from grpo_nb.serving.control import VLLMControlClient, WeightSyncError
 from grpo_nb.weight_sync import verify as check
-from grpo_nb.weight_sync.client import EngineClient, VLLMControlClient, WeightSyncError
 from grpo_nb.weight_sync.config import EXTENSION, Phases, SyncResult, WeightSyncConfig, model_bytes
 
 GRACE_S = 5.0  # past the transfer's limit (transfer_limit) before it is abandoned
 
 
+class State(enum.Enum):
+    """Where the served weights stand. A sync goes ``CLEAN`` → ``PAUSED`` (its ``/pause``; not
+    with ``pause_mode="none"``) → ``SENDING`` (from its first tensor the served weights may be
+    half-new) → ``CLEAN``; a failure while ``SENDING`` leaves ``DIRTY`` (paused until a sync
+    re-sends every tensor), ``EXPOSED`` (the same, but the server could not be paused: it may
+    serve half-new weights) or ``WEDGED`` (final)."""
+
+    CLEAN = "clean"
+    PAUSED = "paused"
+    SENDING = "sending"
+    DIRTY = "dirty"
+    EXPOSED = "exposed"
+    WEDGED = "wedged"
+
+
+class _Fence:
+    """The control client as one transfer engine holds it: once the syncer abandons the engine
+    (:meth:`close`) every call is refused, so its thread, still running, cannot act on the next
+    sync's update. :attr:`receiving`: an ``update_weights`` was sent that the server has not
+    answered (its worker may still be inside that receive)."""
+
+    CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+             "finish_weight_update", "collective_rpc")  # vLLM's VLLMWeightSyncClient and RPCs
+
+    def __init__(self, client: VLLMControlClient) -> None:
+        self.client, self.open, self.receiving = client, True, False
+        self.lock = threading.Lock()
+
+    def close(self) -> bool:
+        """Refuse every later call; returns :attr:`receiving` as it was then."""
+        with self.lock:
+            self.open = False
+            return self.receiving
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.client, name)
+        if name not in self.CALLS:
+            return call
+        update = name == "update_weights"
+
+        def fenced(*args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                if not self.open:
+                    raise WeightSyncError(f"{name} refused: the sync that started this transfer "
+                                          "abandoned it")
+                self.receiving = self.receiving or update
+            try:
+                answer = call(*args, **kwargs)
+            except WeightSyncError as err:
+                if update and err.status is not None:  # answered: its worker left the receive
+                    self.receiving = False
+                raise
+            if update:
+                self.receiving = False
+            return answer
+
+        return fenced
+
+
 class WeightSyncer:
-    """Weight sync for one trainer model and one server. :attr:`version`: the last version
-    the server confirmed; :attr:`dirty`: why the server holds half-loaded weights, if it does;
-    :attr:`wedged`: why no sync can reach the server any more (it must be restarted)."""
+    """Weight sync for one trainer model and one server. :attr:`version`: the last version the
+    server confirmed (the one owner of it: the trainer reads :class:`SyncResult`); :attr:`state`
+    (:class:`State`) and :attr:`why`: what a failed sync left; :meth:`send_dtype`: the dtype the
+    weights travel in."""
 
     def __init__(self, url: str, model: torch.nn.Module, cfg: WeightSyncConfig | None = None,
                  *, api_key: str | None = None, salted: bool = False) -> None:
@@ -38,18 +101,23 @@ class WeightSyncer:
         self.client = VLLMControlClient(url, timeout=self.cfg.timeout_s, api_key=api_key)
         self.engine: Any = None
         self.version: int | None = None
-        self.dirty: str | None = None
-        self.wedged: str | None = None
-        self._fence: EngineClient | None = None  # the engine's client, refused once abandoned
+        self.state = State.CLEAN
+        self.why: str | None = None  # the failed sync (DIRTY, EXPOSED) or the fix (WEDGED)
+        self._fence: _Fence | None = None  # the engine's client, closed once abandoned
         self._tmp: Path | None = None
-        self._held = False  # the server is paused by a failed "none" sync
         self._dtype: torch.dtype | None = None
         self._armed = False  # the worker records digests and nobody has read them yet
-        # after the last verified sync: the trainer's digests and the served checksums
-        self._served: tuple[dict[str, str], dict[str, str]] | None = None
-        self._packed: dict[str, list[str]] | None = None  # the served model's fused modules
-        self._casts: bool | None = None  # the server casts what it loads (send_dtype differs)
-        self.applied: int | None = None  # what the last verify() saw applied (SyncResult)
+        self.proof = check.Proof(self.cfg.send_dtype, self.cfg.timeout_s)
+
+    @property
+    def dirty(self) -> str | None:
+        """Why the server holds half-loaded weights, if it does."""
+        return None if self.state is State.CLEAN else self.why
+
+    @property
+    def wedged(self) -> str | None:
+        """Why no sync can reach the server any more (it must be restarted), if so."""
+        return self.why if self.state is State.WEDGED else None
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -88,7 +156,7 @@ class WeightSyncer:
         source = SendSource(self.model, self.send_dtype())  # asks the server: its own error
         limit = self.transfer_limit()
         self.client.update_timeout = limit
-        self._fence = EngineClient(self.client)
+        self._fence = _Fence(self.client)
         try:
             with device_scope(device):
                 self.engine = trainer_engine(self.cfg.transport, self._fence, source, limit)
@@ -97,7 +165,7 @@ class WeightSyncer:
                                   f"transfer: {type(err).__name__}: {err}") from err
 
     def close(self) -> None:
-        """Leave the transfer engine. A dirty server stays paused (see :attr:`dirty`)."""
+        """Leave the transfer engine. A dirty server stays paused (see :attr:`state`)."""
         engine, self.engine = self.engine, None
         _shutdown(engine, self._device())
         if self._tmp is not None:
@@ -113,56 +181,39 @@ class WeightSyncer:
 
     def sync(self, version: int, *, verify: bool | None = None) -> SyncResult:
         """Send the model's weights as ``version``; ``verify`` overrides ``cfg.verify``."""
-        if self.wedged is not None:  # any request would queue behind the stuck receive
-            raise WeightSyncError(f"weight sync to version {version} refused: {self.wedged}")
+        if self.state is State.WEDGED:  # any request would queue behind the stuck receive
+            raise WeightSyncError(f"weight sync to version {version} refused: {self.why}")
         record = self.cfg.verify if verify is None else verify
-        phases, trips = Phases(), self.client.round_trips
-        start = time.perf_counter()
-        touched = False
-        paused = self._held  # a dirty server that "none" paused stays so until a full re-send
-        failure: BaseException | None = None
+        phases, trips, start = Phases(), self.client.round_trips, time.perf_counter()
+        before = self.state  # CLEAN, DIRTY or EXPOSED
+        paused = before is State.DIRTY  # resumed only once a full re-send succeeds
         try:
-            if self.dirty is not None:  # close the update the failed sync left open
+            if before is not State.CLEAN:  # close the update the failed sync left open
                 with phases("reset"):
-                    self.client.collective_rpc("grpo_abort_update",
-                                               timeout=self.transfer_limit())
+                    self.client.collective_rpc("grpo_abort_update", timeout=self.transfer_limit())
             self.connect()
             # kv="recompute": the running requests end here, their tokens returned for the
             # sampler to resubmit, and vLLM queues what arrives until /resume (new weights)
             pause = "abort" if self.cfg.kv == "recompute" else self.cfg.pause_mode
             if pause != "none":
-                paused = True  # resume after any attempted /pause
+                paused, self.state = True, State.PAUSED  # resume after any attempted /pause
                 with phases("pause"):
                     self.client.pause(pause)
-            touched = True  # from here on the served weights may be half-new
+            self.state = State.SENDING
             self._transfer(str(version), phases, record)
-            self.dirty = None
         except BaseException as err:
-            failure = err
-            if touched:
-                self.dirty = f"sync to version {version}: {type(err).__name__}: {err}"
-                fence, self._fence = self._fence, None
-                if fence is not None and fence.revoke() and self.cfg.transport == "nccl":
-                    self.wedged = self._wedged_reason()
-                engine, self.engine = self.engine, None  # a fresh group next time
-                # A gloo group aborts at once; a CUDA communicator mid-send may never return.
-                threading.Thread(target=_shutdown, args=(engine, self._device()),
-                                 daemon=True).start()
-                if not paused:  # "none": stop sampling from half-new weights now
-                    with contextlib.suppress(Exception):
-                        self.client.pause("abort")
-                        paused = True
-        resume_error = None  # reported after any earlier failure
-        if paused and not self.dirty:
-            try:
-                with phases("resume"):
-                    self.client.resume()
-            except Exception as err:
-                resume_error = err
-        self._held = paused and self.dirty is not None
-        if failure is not None:
-            raise self._failure(version, failure, touched, resume_error) from failure
-        if resume_error is not None:
+            sent = self.state is State.SENDING
+            if sent:
+                paused = self._abandon(f"sync to version {version}: {type(err).__name__}: {err}",
+                                       paused)
+            elif before is not State.CLEAN:
+                self.state = State.DIRTY if paused else State.EXPOSED
+            else:
+                self.state = State.CLEAN
+            resume_error = self._resume(phases) if self.state is State.CLEAN and paused else None
+            raise self._failure(version, err, sent, resume_error) from err
+        self.state = State.CLEAN
+        if paused and (resume_error := self._resume(phases)) is not None:
             raise WeightSyncError(f"weights for version {version} loaded, but /resume "
                                   f"failed: {resume_error}") from resume_error
         phases["total"] = (time.perf_counter() - start) * 1e3
@@ -170,26 +221,53 @@ class WeightSyncer:
                             None, dict(phases), self.client.round_trips - trips)
         if record:
             result.verified = self.verify(version)
-            result.applied = self.applied
+            result.applied = self.proof.applied
         self.version = version
         return result
 
-    def _failure(self, version: int, err: BaseException, touched: bool,
+    def _abandon(self, why: str, paused: bool) -> bool:
+        """A sync failed while ``SENDING``: close its engine's client and leave its engine (a
+        fresh one next time), then pause a server that "none" left running; whether paused."""
+        self.state, self.why = State.DIRTY, why
+        fence, self._fence = self._fence, None
+        if fence is not None and fence.close() and self.cfg.transport == "nccl":
+            self.state, self.why = State.WEDGED, self._wedged_reason()
+        engine, self.engine = self.engine, None
+        if engine is not None:  # a gloo group aborts at once; a CUDA one mid-send may never
+            from grpo_nb.weight_sync.gloo_engine import beside
+
+            beside(lambda: _shutdown(engine, self._device()), "grpo-shutdown")
+        if not paused:  # "none": stop sampling from half-new weights now
+            with contextlib.suppress(Exception):
+                self.client.pause("abort")
+                paused = True
+        if self.state is State.DIRTY and not paused:
+            self.state = State.EXPOSED
+        return paused
+
+    def _resume(self, phases: Phases) -> Exception | None:
+        try:
+            with phases("resume"):
+                self.client.resume()
+        except Exception as err:
+            return err
+        return None
+
+    def _failure(self, version: int, err: BaseException, sent: bool,
                  resume_error: BaseException | None) -> BaseException:
         if not isinstance(err, Exception):
             return err  # KeyboardInterrupt & co. propagate as they are
         failed = f"weight sync to version {version} failed"
         cause = err if isinstance(err, WeightSyncError) else f"{type(err).__name__}: {err}"
-        if self.dirty is None:
+        if self.state is State.CLEAN:
             also = f", and /resume failed too: {resume_error}" if resume_error else ""
             return WeightSyncError(f"{failed}: {cause}{also}")
-        where = "mid-transfer" if touched else "before its transfer"
-        if self.wedged is not None:
-            return WeightSyncError(f"{failed} {where} ({cause}); {self.wedged}")
-        # not held: "none", and its /pause?mode=abort failed too (server gone?)
-        state = ("stays PAUSED with half-loaded weights" if self._held
+        where = "mid-transfer" if sent else "before its transfer"
+        if self.state is State.WEDGED:
+            return WeightSyncError(f"{failed} {where} ({cause}); {self.why}")
+        state = ("stays PAUSED with half-loaded weights" if self.state is State.DIRTY
                  else "could not be paused: it may serve half-loaded weights")
-        return WeightSyncError(f"{failed} {where} ({cause}); the server {state} ({self.dirty}) "
+        return WeightSyncError(f"{failed} {where} ({cause}); the server {state} ({self.why}) "
                                "until the next sync re-sends every tensor and succeeds")
 
     def _wedged_reason(self) -> str:
@@ -213,12 +291,11 @@ class WeightSyncer:
         self._armed = record
         if self.cfg.transport == "reload":
             self._reload(phases)
-        elif self.cfg.transport == "gloo":
-            self._bounded(lambda: self.engine.send_weights(record=record))
-            phases.update(self.engine.last)
         else:
             with phases("transfer"):
-                self._bounded(self.engine.send_weights)
+                self._bounded(lambda: self.engine.send_weights(record=record)
+                              if self.cfg.transport == "gloo" else self.engine.send_weights())
+            phases.update(getattr(self.engine, "last", {}))  # gloo: the server's own phases
         if self.cfg.pause_mode == "none" and not self.salted:
             with phases("cache"):  # the old weights' prompt KV (vLLM refuses while it is used)
                 self.client.reset_prefix_cache()
@@ -230,28 +307,24 @@ class WeightSyncer:
             self.client.set_weight_version(version)
 
     def _bounded(self, send: Callable[[], None]) -> None:
-        """One transfer on a daemon thread, abandoned after its limit + ``GRACE_S``."""
-        allowed = self.transfer_limit()
+        """One transfer on the sync's one thread (``gloo_engine.beside``), under the model's
+        device, abandoned after its limit + ``GRACE_S``: its caller never hangs."""
+        from grpo_nb.weight_sync.gloo_engine import beside
+
+        allowed, device = self.transfer_limit(), self._device()
         limit = allowed + GRACE_S
-        device, failed = self._device(), []
 
         def run() -> None:
-            try:
-                with device_scope(device):
-                    send()
-            except BaseException as err:  # handed to the waiting thread
-                failed.append(err)
+            with device_scope(device):
+                send()
 
-        thread = threading.Thread(target=run, daemon=True, name="grpo-transfer")
-        thread.start()
-        thread.join(limit)
-        if thread.is_alive():
+        transfer = beside(run, "grpo-transfer")
+        if not wait([transfer], limit).done:
             raise WeightSyncError(
                 f"{self.cfg.transport} transfer did not finish within {limit:.0f} s "
                 f"({allowed:.0f} s for the model's bytes, WeightSyncConfig.transfer_timeout at "
                 f"timeout_s={self.cfg.timeout_s}, + {GRACE_S:.0f} s): abandoned, its group closed")
-        if failed:
-            raise failed[0]
+        transfer.result()
 
     def _reload(self, phases: Phases) -> None:
         if self._tmp is None:
@@ -267,50 +340,19 @@ class WeightSyncer:
     def verify(self, version: int | None = None) -> bool:
         """Raise unless the last ``verify=True`` sync delivered every parameter once, bit for
         bit, the served parameters changed wherever the trainer's did since the previous
-        verification (:meth:`_check_applied`), and the server serves weight ``version``."""
+        verification, and the server serves weight ``version`` (:class:`verify.Proof`)."""
         if self.wedged is not None:
             raise WeightSyncError(f"verification refused: {self.wedged}")
         records = self.client.collective_rpc("grpo_update_record", timeout=self.cfg.timeout_s)
         self._armed = False
-        expected = check.expected_digests(self.model, self.send_dtype())
-        for rank, received in enumerate(records or [None]):
-            problem = check.compare(expected, received)
-            if problem is not None:
-                where = f" (worker {rank})" if len(records) > 1 else ""
-                raise WeightSyncError(f"served weights differ from the trainer's{where}: "
-                                      f"{problem}")
-        self._check_applied(expected)
+        self.proof.check(records, self.client, self.model, self.send_dtype(),
+                         self.transfer_limit())
         if version is not None:
             served_version = self.client.weight_version()
             if served_version != str(version):
                 raise WeightSyncError(f"server reports weight version {served_version!r}, "
                                       f"expected {str(version)!r}")
         return True
-
-    def _check_applied(self, sent: dict[str, str]) -> None:
-        """The received digests prove what ``load_weights`` was handed; this, that it landed:
-        vLLM's ``/weight_checker`` checksums of the served parameters, against those after the
-        previous verification, must differ wherever the sent digests do (the first verification
-        only records them). :attr:`applied`: how many changed tensors that checked. Not
-        checked when ``cfg.send_dtype`` is not the server's: its cast may round a change away."""
-        self.applied = None
-        if self._casts is None:
-            self._casts = self.cfg.send_dtype is not None and self.cfg.send_dtype not in (
-                self.client.collective_rpc("grpo_model_dtype", timeout=self.cfg.timeout_s))
-        if self._casts:
-            return
-        live = self.client.weight_checksums(timeout=self.transfer_limit())
-        if self._packed is None:
-            answers = self.client.collective_rpc("grpo_packed_modules", timeout=self.cfg.timeout_s)
-            self._packed = answers[0] if answers else {}
-        if self._served is not None:
-            then_sent, then_live = self._served
-            targets = check.served_targets(sent, live, self._packed)
-            problem, self.applied = check.unapplied(then_sent, sent, then_live, live, targets)
-            if problem is not None:  # the baseline stays: a re-sync is compared with it again
-                raise WeightSyncError(f"served parameters did not change where the trainer's "
-                                      f"did since the last verified sync: {problem}")
-        self._served = (sent, live)
 
     def weight_gap(self) -> float:
         """Largest |log-prob difference| between server and trainer on fixed random tokens,

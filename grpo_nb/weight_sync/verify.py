@@ -8,8 +8,11 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
+
+from grpo_nb.serving.control import WeightSyncError
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -105,3 +108,49 @@ def unapplied(sent_then: Mapping[str, str], sent_now: Mapping[str, str],
     return (f"{len(stuck)} of {checked} changed tensors left the served parameters unchanged "
             f"(received, not applied): {', '.join(stuck[:3])}{' …' if len(stuck) > 3 else ''}",
             checked)
+
+
+class Proof:
+    """Verification of one server across syncs: what :meth:`check` asks the server once (its
+    dtype, its fused modules) and the baseline it compares the next verified sync with."""
+
+    def __init__(self, send_dtype: str | None, timeout_s: float) -> None:
+        self.send_dtype, self.timeout_s = send_dtype, timeout_s
+        # after the last verified sync: the trainer's digests and the served checksums
+        self.served: tuple[dict[str, str], dict[str, str]] | None = None
+        self.packed: dict[str, list[str]] | None = None  # the served model's fused modules
+        self.casts: bool | None = None  # the server casts what it loads (send_dtype differs)
+        self.applied: int | None = None  # changed tensors the last check saw applied
+
+    def check(self, records: list[Any], client: Any, model: torch.nn.Module,
+              dtype: torch.dtype, limit: float) -> None:
+        """Raise :class:`WeightSyncError` unless every worker's ``records`` (digests of what
+        ``load_weights`` was handed) equal the trainer's tensors, and the update landed: vLLM's
+        ``/weight_checker`` checksums of the served parameters, against those after the previous
+        check, differ wherever the sent digests do (the first check only records them; not
+        checked when ``send_dtype`` is not the server's: its cast may round a change away)."""
+        expected = expected_digests(model, dtype)
+        for rank, received in enumerate(records or [None]):
+            problem = compare(expected, received)
+            if problem is not None:
+                where = f" (worker {rank})" if len(records) > 1 else ""
+                raise WeightSyncError(f"served weights differ from the trainer's{where}: "
+                                      f"{problem}")
+        self.applied = None
+        if self.casts is None:
+            self.casts = self.send_dtype is not None and self.send_dtype not in (
+                client.collective_rpc("grpo_model_dtype", timeout=self.timeout_s))
+        if self.casts:
+            return
+        live = client.weight_checksums(timeout=limit)
+        if self.packed is None:
+            answers = client.collective_rpc("grpo_packed_modules", timeout=self.timeout_s)
+            self.packed = answers[0] if answers else {}
+        if self.served is not None:
+            then_sent, then_live = self.served
+            targets = served_targets(expected, live, self.packed)
+            problem, self.applied = unapplied(then_sent, expected, then_live, live, targets)
+            if problem is not None:  # the baseline stays: a re-sync is compared with it again
+                raise WeightSyncError(f"served parameters did not change where the trainer's "
+                                      f"did since the last verified sync: {problem}")
+        self.served = (expected, live)

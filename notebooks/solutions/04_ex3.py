@@ -7,7 +7,7 @@ import asyncio
 async def count_aborted(n: int) -> tuple[int, int]:
     control = VLLMControlClient(server.url, api_key=server.api_key)
     async with CompletionsClient.for_server(server, ClientConfig(max_in_flight=n)) as c:
-        flying = [asyncio.ensure_future(c.complete(prompt_ids, max_tokens=200, ignore_eos=True))
+        flying = [asyncio.ensure_future(c.generate(prompt_ids, max_tokens=200, ignore_eos=True))
                   for _ in range(n)]
         # A pause only aborts what is running, and a request that reaches a paused server waits
         # for the resume: wait until the server's own gauge says all n are decoding (in a

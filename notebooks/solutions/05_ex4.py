@@ -1,5 +1,5 @@
 # ruff: noqa: F821
-# server, model, sync_cfg and flat are notebook 05's: this file runs in its namespace.
+# server, model, sync_cfg and pair are notebook 05's: this file runs in its namespace.
 import asyncio
 from dataclasses import replace
 
@@ -13,8 +13,8 @@ async def aborted_completions() -> list:
     abort_cfg = replace(sync_cfg, pause_mode="abort", verify=False)
     with WeightSyncer(server.url, model, abort_cfg) as syncer:
         async with CompletionsClient.for_server(server) as client:
-            in_flight = [asyncio.ensure_future(client.complete(
-                list(flat[0].prompt_ids), max_tokens=200, temperature=1.0, ignore_eos=True))
+            in_flight = [asyncio.ensure_future(client.generate(
+                pair[0].prompt_ids, max_tokens=200, temperature=1.0, ignore_eos=True))
                 for _ in range(8)]
             await asyncio.to_thread(syncer.client.wait_running)
             await asyncio.to_thread(syncer.sync, 1)

@@ -1,5 +1,7 @@
-"""The trainer's HTTP control plane to one vLLM server (dev-mode routes, loopback only); every
-call is counted and raises :class:`WeightSyncError` on a non-2xx answer or a dead server."""
+"""The trainer's HTTP control plane to one vLLM server (dev-mode routes, loopback only), beside
+the sampling client (client.py): pause, the weight-update routes, worker RPCs, the served version
+and log-probs. Every call is counted and raises :class:`WeightSyncError` on a non-2xx answer or a
+dead server."""
 
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ class VLLMControlClient:
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[Any]:
-        """Call a worker method (worker.py); ``timeout`` bounds this HTTP call only (vLLM's RPC
+        """Call a worker method (weight_sync/server_side.py); ``timeout`` bounds this HTTP call only (vLLM's RPC
         timeout would leave a late reply queued for the next call)."""
         response = self._request("POST", "collective_rpc", timeout=timeout,
                                  json={"method": method, "kwargs": kwargs or {}})
@@ -140,61 +142,3 @@ class VLLMControlClient:
             rows.append([float(entries[i][str(tok)]["logprob"])
                          for i, tok in enumerate(seq) if i > 0])
         return rows
-
-
-class EngineClient:
-    """The control client as one trainer-side transfer engine holds it (vLLM's four-method
-    ``VLLMWeightSyncClient`` protocol and ``collective_rpc``, each passed to :attr:`client`):
-    once the syncer abandons the engine every call is refused, so its thread, still running,
-    cannot act on the next sync's update; :attr:`receiving` says whether an ``update_weights``
-    was sent that the server has not answered (its worker may still be inside that receive)."""
-
-    def __init__(self, client: VLLMControlClient) -> None:
-        self.client = client
-        self.receiving = False
-        self._revoked = False
-        self._lock = threading.Lock()
-
-    def revoke(self) -> bool:
-        """Refuse every later call; returns :attr:`receiving` as it was then."""
-        with self._lock:
-            self._revoked = True
-            return self.receiving
-
-    def _admit(self, call: str) -> None:
-        if self._revoked:
-            raise WeightSyncError(f"{call} refused: the sync that started this transfer "
-                                  "abandoned it")
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        with self._lock:
-            self._admit("init_weight_transfer_engine")
-        self.client.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> None:
-        with self._lock:
-            self._admit("start_weight_update")
-        self.client.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        with self._lock:
-            self._admit("update_weights")
-            self.receiving = True
-        try:
-            self.client.update_weights(update_info)
-        except WeightSyncError as err:
-            if err.status is not None:  # the server answered: its worker left the receive
-                self.receiving = False
-            raise
-        self.receiving = False
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        with self._lock:
-            self._admit("finish_weight_update")
-        self.client.finish_weight_update(weight_version)
-
-    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:
-        with self._lock:
-            self._admit(method)
-        return self.client.collective_rpc(method, kwargs, timeout)
