@@ -99,7 +99,7 @@ def test_a_config_that_could_never_admit_a_group_fails_before_any_server(runs: P
     TIMES["never-admit config"] = time.monotonic() - start
     assert proc.returncode != 0
     assert "sync_every=4 > max_staleness + 1" in stderr, stderr[-2000:]
-    assert TIMES["never-admit config"] < FAULT_S
+    assert TIMES["never-admit config"] < FAULT_S + 30  # + the CLI's own imports
     # no server was started: none is left, and none wrote a log (its watchdog may have ended
     # one whose owner exited, but not its log)
     assert not owned_by(proc.pid) and not list(runs.rglob("server-*.log"))
