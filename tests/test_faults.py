@@ -176,7 +176,8 @@ def test_abort_mode_drops_and_resubmits_groups_cut_by_a_sync(ring_server, tiny_m
     scored: list[str | None] = []
 
     async def long_requests(self, prompt_ids, **kw):  # the generators' groups
-        kw.update(max_tokens=200, ignore_eos=True)
+        if kw.get("temperature", 1.0) > 0:  # not the greedy evaluation's requests
+            kw.update(max_tokens=200, ignore_eos=True)
         return await generate(self, prompt_ids, **kw)
 
     async def recording(self, group):
@@ -255,7 +256,7 @@ def test_killing_the_server_mid_generation_ends_the_run_clearly(server_to_kill, 
     generate, state = CompletionsClient.generate, {"groups": 0, "t": 0.0}
 
     async def killing(self, prompt_ids, **kw):  # the generators' groups
-        state["groups"] += 1
+        state["groups"] += kw.get("temperature", 1.0) > 0  # not the greedy evaluation's
         if state["groups"] == 5:  # step 2's first group: its request is in flight
             asyncio.get_running_loop().call_later(0.05, _kill, server_to_kill)
             state["t"] = time.monotonic()

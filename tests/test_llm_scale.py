@@ -287,11 +287,11 @@ def test_greedy_eval_scores_with_the_answer_check_in_prompt_order(fake_vllm) -> 
     script[3] = ("The answer is \\boxed{4}.", "stop")  # wrong
     script[5] = ("The answer is \\boxed{5", "length")  # cut at max_tokens: wrong
     client = _scripted_client(fake_vllm, script)
-    res = asyncio.run(greedy_accuracy(client, prompts, make_reward("math"), 32))
+    res = asyncio.run(greedy_accuracy(client, prompts, make_reward("math"), 32, batch=4))
     assert res.accuracy == pytest.approx(0.8) and (res.n, res.truncated) == (10, 1)
-    calls = [(b["token_ids"], b["sampling_params"]) for b in fake_vllm.sampled]
-    assert sorted(ids for ids, _ in calls) == [[i] for i in range(10)]  # a request a prompt
-    assert all(p["temperature"] == 0.0 and p["max_tokens"] == 32 for _, p in calls)
+    calls = [(len(b["prompt"]), b["temperature"], b["max_tokens"]) for b in fake_vllm.sampled]
+    assert sorted(c[0] for c in calls) == [2, 4, 4]  # the batches go out side by side
+    assert all(c[1] == 0.0 and c[2] == 32 for c in calls)  # greedy, configured length
     exact = _scripted_client(fake_vllm, {0: ("0009", "stop"), 1: ("0009 1", "stop")})
     res = asyncio.run(greedy_accuracy(exact, [Prompt("", [0], "9"), Prompt("", [1], "9")],
                                       make_reward("exact"), 8))
@@ -316,6 +316,7 @@ def _wait_for_checkpoint(cli: subprocess.Popen, state: Path, within_s: float = 9
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two CLIs, each starting a server: minutes on a loaded machine
 def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic, tmp_path,
                                                                        monkeypatch) -> None:
     """The CLI end to end, on a model and data it did not create, with an API key set; two

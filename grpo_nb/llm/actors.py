@@ -203,7 +203,7 @@ class Learner:
         if self.pt.version != self.pt.step_count:
             await self.sync()  # evaluate the weights just trained, not the last synced ones
         start, spec = time.time(), self.spec
-        async with _client(spec, 256, 600.0) as client:  # a request a prompt
+        async with _client(spec, 4, 600.0) as client:  # 64 prompts a request
             res = await greedy_accuracy(client, spec.eval_prompts,
                                         tasks.make_reward(spec.reward_default),
                                         self.cfg.max_tokens, cache_salt=policy_salt(self.pt.version))

@@ -232,16 +232,23 @@ class EvalResult:
 
 async def greedy_accuracy(client: CompletionsClient, prompts: Sequence[Prompt],
                           checker: Callable[[str, str], float], max_tokens: int, *,
-                          cache_salt: str | None = None) -> EvalResult:
-    """Held-out accuracy of greedy samples (a request a prompt, all in flight within the
-    client's ``max_in_flight``), a truncated one wrong."""
+                          batch: int = 64, cache_salt: str | None = None) -> EvalResult:
+    """Held-out accuracy of greedy samples (``batch`` prompts a request, the requests side by
+    side), a truncated one wrong."""
     if not prompts:
         return EvalResult(float("nan"), 0, 0)
-    outs = await asyncio.gather(*(client.generate(list(p.ids), max_tokens=max_tokens,
-                                                  temperature=0.0, cache_salt=cache_salt)
-                                  for p in prompts))
+
+    async def chunk(part: Sequence[Prompt]) -> list[Completion]:
+        outs = await client.complete([list(p.ids) for p in part], max_tokens=max_tokens,
+                                     temperature=0.0, cache_salt=cache_salt)
+        if len(outs) != len(part):
+            raise RuntimeError(f"evaluation: {len(part)} prompts, {len(outs)} completions")
+        return outs
+
+    parts = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    outs = [o for part in await asyncio.gather(*(chunk(p) for p in parts)) for o in part]
     correct = truncated = 0
-    for prompt, (out,) in zip(prompts, outs, strict=True):
+    for prompt, out in zip(prompts, outs, strict=True):
         truncated += out.finish_reason == "length"
         correct += out.finish_reason == "stop" and checker(out.text, prompt.answer) >= 1.0
     return EvalResult(correct / len(prompts), len(prompts), truncated)

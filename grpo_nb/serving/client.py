@@ -1,6 +1,7 @@
 """An async client for vLLM's token-in/token-out ``/inference/v1/generate``: token ids in; token
 ids, log-probs and the weight version that sampled each token out; aborted choices come back
-with ``finish_reason="abort"`` for the caller to resample."""
+with ``finish_reason="abort"`` for the caller to resample. ``/v1/completions`` serves the one
+case of many prompts in one request (a greedy evaluation)."""
 
 from __future__ import annotations
 
@@ -157,6 +158,20 @@ class CompletionsClient:
             self.stats.requests += 1
             return await self._post_with_retries(body, url)
 
+    async def complete(self, prompts: list[list[int]], *, max_tokens: int = 16,
+                       temperature: float = 1.0, cache_salt: str | None = None
+                       ) -> list[Completion]:
+        """One completion of each token-id prompt in one ``POST /v1/completions`` (choices in
+        prompt order), for many prompts at once: :meth:`generate` takes one prompt a request,
+        and an evaluation of 256 prompts as 256 requests took ≈ 5× as long on 2 cores (the
+        API server's per-request work). No weight-version labels."""
+        body = {"model": self.model, "prompt": prompts, "max_tokens": max_tokens,
+                "temperature": temperature, **NEUTRAL_SAMPLING, "n": 1, "logprobs": 0,
+                "return_token_ids": True, **({"cache_salt": cache_salt} if cache_salt else {})}
+        async with self._sem:
+            self.stats.requests += 1
+            return await self._post_with_retries(body, f"{self.base_url}/completions")
+
     async def _post_with_retries(self, body: dict[str, Any], url: str) -> list[Completion]:
         for attempt in range(self.cfg.retries + 1):
             t0 = time.perf_counter()
@@ -185,8 +200,9 @@ class CompletionsClient:
         out = []
         for choice in payload.get("choices", []):
             ids = list(choice.get("token_ids") or [])
-            content = (choice.get("logprobs") or {}).get("content") or []
-            lps = [float(c["logprob"]) for c in content]
+            lp = choice.get("logprobs") or {}  # /v1/completions' shape, else generate's
+            lps = [float(x) for x in lp["token_logprobs"] or []] if "token_logprobs" in lp \
+                else [float(c["logprob"]) for c in lp.get("content") or []]
             reason, text = choice.get("finish_reason"), choice.get("text") or ""
             versions = None
             if choice.get("weight_versions") is not None:
