@@ -40,7 +40,7 @@ endif
 comma := ,
 STAMP := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: setup lab test lint check-notebooks pytest pytest-apart pytest-rest nbtest nbwatch handouts doctor clean system-deps
+.PHONY: setup lab test lint check-notebooks pytest pytest-apart pytest-scale pytest-cpu pytest-rest nbtest nbwatch handouts doctor clean system-deps
 
 setup: $(STAMP)
 
@@ -92,17 +92,31 @@ PYTEST_ENV = GRPO_NB_SMOKE=1 GRPO_NB_SERVER_EAGER=1
 pytest: setup system-deps
 	$(PYTEST_ENV) $(BIN)/pytest -q --durations=20 tests
 
-# make test splits the suite in two processes (each with its own shared server): these files
-# start their own servers, CLIs and browsers and spend most of their time waiting on them.
-PYTEST_APART = tests/test_vs_trl.py tests/test_llm_scale.py tests/test_browser.py
-# The suite's two tests that kill a server (tests/conftest.py: server_to_kill) run one in each
-# process, each ending that process's shared server: no server start of their own. The race's
-# two grpo_nb contenders train on pytest-apart's shared server.
+# make test splits the suite in four processes. pytest-apart: the race against TRL (its two
+# grpo_nb contenders on this lane's shared server) and the browser tests; pytest-scale: the
+# files that start their own servers and CLIs (no shared server); pytest-cpu: the files that
+# need no server at all (the tiny model at most); pytest-rest: every other file, on its own
+# shared server (a new test file lands there).
+PYTEST_APART = tests/test_vs_trl.py tests/test_browser.py
+PYTEST_SCALE = tests/test_llm_scale.py
+PYTEST_CPU = $(addprefix tests/test_,actors.py actors_seed.py bad_input.py by_hand.py config.py \
+  cost.py dashboard.py doctor.py dynamic_sampling.py exercises.py gpu_check.py gpu_path.py \
+  gpu_placement.py gpu_report.py grpo.py grpo_loss.py grpo_trl.py grpo_trl_objectives.py \
+  handouts.py hang_watch.py live.py logprobs.py loopback_proxy.py metrics.py monarch_toy.py \
+  objectives.py realistic_model.py recorded.py ring_bounded.py ring_core.py scoring.py setup.py \
+  tasks.py tiny_model.py toy.py toy_ring_objectives.py toy_sweep.py vllm_compat.py)
+# The suite's two tests that kill a server (tests/conftest.py: server_to_kill) run one in
+# pytest-apart and one in pytest-rest, each ending that process's shared server: no server start
+# of their own.
 KILL_APART = tests/test_faults.py::test_killing_the_server_mid_generation_ends_the_run_clearly
 pytest-apart: setup system-deps
 	$(PYTEST_ENV) $(BIN)/pytest -q --durations=10 $(PYTEST_APART) $(KILL_APART)
+pytest-scale: setup system-deps
+	$(PYTEST_ENV) $(BIN)/pytest -q --durations=10 $(PYTEST_SCALE)
+pytest-cpu: setup system-deps
+	$(PYTEST_ENV) $(BIN)/pytest -q --durations=10 $(PYTEST_CPU)
 pytest-rest: setup system-deps
-	$(PYTEST_ENV) $(BIN)/pytest -q --durations=20 $(PYTEST_APART:%=--ignore=%) --deselect $(KILL_APART) tests
+	$(PYTEST_ENV) $(BIN)/pytest -q --durations=20 $(addprefix --ignore=,$(PYTEST_APART) $(PYTEST_SCALE) $(PYTEST_CPU)) --deselect $(KILL_APART) tests
 
 # GRPO_NB_SOLUTIONS=1: each exercise checker runs the shipped solution (notebooks/solutions/)
 # and fails the notebook if it does not pass; `make lab` leaves it unset, so checkers test yours.
@@ -120,17 +134,17 @@ NBWATCH_FLAGS ?=
 nbwatch: setup
 	$(BIN)/python scripts/nb_hang_watch.py --runs $(RUNS) --stall-s $(STALL_S) --workers $(NB_WORKERS) $(NBWATCH_FLAGS) notebooks/*.ipynb
 
-# Two pytest processes and the notebooks (one at a time) run side by side: all three spend most
-# of their time waiting on servers, processes and timers (the machine's load average stays near
-# 1 with two of them), so on 2 cores they overlap. Each one's output appears when it ends.
-# TEST_JOBS=1 runs them one after the other, notebooks two at a time.
+# Four pytest processes and the notebooks (one at a time) run side by side: they spend much of
+# their time waiting on servers, processes and timers (a cold run with three lanes kept the two
+# cores 55 % busy: 18 CPU minutes in 16 wall minutes), so on 2 cores they overlap. Each one's
+# output appears when it ends. TEST_JOBS=1 runs them one after the other, notebooks two at a time.
 TEST_JOBS ?= 3
 test: lint check-notebooks
 ifeq ($(TEST_JOBS),1)
 	@$(MAKE) --no-print-directory pytest nbtest
 else
-	@echo "pytest (in two processes) and the notebooks run side by side; each one's output appears when it ends"
-	@$(MAKE) --no-print-directory -j3 --output-sync=target pytest-apart pytest-rest nbtest NB_WORKERS=1
+	@echo "pytest (in four processes) and the notebooks run side by side; each one's output appears when it ends"
+	@$(MAKE) --no-print-directory -j5 --output-sync=target pytest-apart pytest-scale pytest-cpu pytest-rest nbtest NB_WORKERS=1
 endif
 
 # Student copies, executed HTML pages + index, one PDF: build/handouts/index.html.

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,27 @@ def test_loop_seconds() -> None:
     """From step 1's start (t − wall_s = 10 − 1) to the last step's row (14)."""
     assert loop_seconds(sync_run()) == pytest.approx(5.0)
     assert loop_seconds([]) == 0.0
+
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
+
+
+def test_other_load_counts_our_children_as_ours() -> None:
+    """A child burning 1 CPU second is this tree's work, not the rest of the machine's."""
+    with cost.OtherLoad() as load:
+        subprocess.run([sys.executable, "-c", BURN], check=True, timeout=120)
+    assert load.ours_s >= 0.9, load.ours_s
+
+
+def test_other_load_counts_a_process_outside_our_tree_as_other() -> None:
+    """A burner double-forked away (its parent is init) is the rest of the machine's work: the
+    model's comparison is not made when such work takes the cores."""
+    with cost.OtherLoad() as load:
+        # the shell exits at once; run() returns when the burner, holding its stdout, ends
+        subprocess.run(["sh", "-c", f"{sys.executable} -c '{BURN}' & exit 0"], check=True,
+                       stdout=subprocess.PIPE, timeout=120)
+    assert load.ours_s < 0.5, load.ours_s
+    assert load.other_s >= 0.9 and load.cores > 0, load
 
 
 # ── GPU memory of the single-GPU plan (cost.memory_plan), from shapes ──

@@ -4,8 +4,10 @@ does not pause the server. ``busy`` rows are not read, so a recorded run gives t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +116,44 @@ def loop_seconds(rows: Iterable[Row]) -> float:
     """The training loop's wall time, the first step's start to the last step's end."""
     steps = [r for r in rows if r["kind"] == "step"]
     return steps[-1]["t"] - (steps[0]["t"] - steps[0]["wall_s"]) if steps else 0.0
+
+
+class OtherLoad:
+    """The CPU seconds the rest of the machine used while a ``with`` block ran: the machine's
+    busy time (``psutil.cpu_times``) less this process tree's (this process, its reaped
+    children and its live descendants, e.g. a vLLM server it started). ``cores`` is that over
+    the block's wall time. The model assumes the ring has the machine's cores to itself."""
+
+    cores: float = 0.0  # the rest of the machine's CPU seconds per wall second
+    other_s: float = 0.0  # the rest of the machine's CPU seconds during the block
+    ours_s: float = 0.0  # this process tree's CPU seconds during the block
+
+    @staticmethod
+    def _read() -> tuple[float, float, float]:
+        import psutil  # here: the GPU probe imports this module on an image without psutil
+
+        machine = psutil.cpu_times()
+        # guest time is counted in user time too; steal (the host's other guests) is counted:
+        # it is time these cores were not ours
+        idle = ("idle", "iowait", "guest", "guest_nice")
+        busy = sum(machine) - sum(getattr(machine, k, 0.0) for k in idle)
+        me = psutil.Process()
+        own = me.cpu_times()
+        ours = own.user + own.system + own.children_user + own.children_system
+        for child in me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                ours += sum(child.cpu_times()[:2])
+        return time.monotonic(), busy, ours
+
+    def __enter__(self) -> OtherLoad:
+        self._start = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        (t0, busy0, ours0), (t1, busy1, ours1) = self._start, self._read()
+        self.ours_s = ours1 - ours0
+        self.other_s = max(0.0, (busy1 - busy0) - self.ours_s)
+        self.cores = self.other_s / max(t1 - t0, 1e-9)
 
 
 # --- GPU memory of the single-GPU plan (trainer and vLLM server on one card), from shapes ---
