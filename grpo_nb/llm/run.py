@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -127,32 +126,6 @@ async def run_ring(cfg: LLMConfig, spec: RingSpec, rec: MetricsRecorder, *, serv
             watch.close()
 
 
-WAKE_EVERY_S = 0.5
-
-
-def _woken(run: Callable[..., Awaitable[RunResult]]) -> Callable[..., Awaitable[RunResult]]:
-    """``run`` with a timer on the running loop for its whole length. In a Jupyter kernel
-    (ipykernel 7.4, inside make test) ``train``'s first ``asyncio.to_thread`` once finished
-    unseen: the worker thread was idle, the kernel's loop slept in epoll for 10 minutes and went
-    on when the next message reached the kernel. A timer bounds such a missed wake-up to
-    ``WAKE_EVERY_S``."""
-
-    @functools.wraps(run)
-    async def woken(*args: Any, **kwargs: Any) -> RunResult:
-        async def tick() -> None:
-            while True:
-                await asyncio.sleep(WAKE_EVERY_S)
-
-        ticker = asyncio.create_task(tick())
-        try:
-            return await run(*args, **kwargs)
-        finally:
-            ticker.cancel()
-
-    return woken
-
-
-@_woken
 async def train(cfg: LLMConfig, *, model_dir: str | Path | None = None, name: str | None = None,
                 resume: str | Path | None = None, server: Any = None,
                 on_event: Callable[[str, MetricsRecorder], None] | None = None,
