@@ -92,6 +92,10 @@ PYTEST_ENV = GRPO_NB_SMOKE=1 GRPO_NB_SERVER_EAGER=1
 pytest: setup system-deps
 	$(PYTEST_ENV) $(BIN)/pytest -q --durations=20 tests
 
+# make test checks the system packages once, before the lanes (SYSTEM_DEPS= there): a
+# prerequisite with a recipe shared by some lanes made make -j5 start those lanes only after
+# the notebooks' lane had ended.
+SYSTEM_DEPS ?= system-deps
 # make test splits the suite in four processes. pytest-apart: the race against TRL (its two
 # grpo_nb contenders on this lane's shared server) and the browser tests; pytest-scale: the
 # files that start their own servers and CLIs (no shared server); pytest-cpu: the files that
@@ -109,13 +113,13 @@ PYTEST_CPU = $(addprefix tests/test_,actors.py actors_seed.py bad_input.py by_ha
 # pytest-apart and one in pytest-rest, each ending that process's shared server: no server start
 # of their own.
 KILL_APART = tests/test_faults.py::test_killing_the_server_mid_generation_ends_the_run_clearly
-pytest-apart: setup system-deps
+pytest-apart: setup $(SYSTEM_DEPS)
 	$(PYTEST_ENV) $(BIN)/pytest -q --durations=10 $(PYTEST_APART) $(KILL_APART)
-pytest-scale: setup system-deps
+pytest-scale: setup $(SYSTEM_DEPS)
 	$(PYTEST_ENV) $(BIN)/pytest -q --durations=10 $(PYTEST_SCALE)
-pytest-cpu: setup system-deps
+pytest-cpu: setup $(SYSTEM_DEPS)
 	$(PYTEST_ENV) $(BIN)/pytest -q --durations=10 $(PYTEST_CPU)
-pytest-rest: setup system-deps
+pytest-rest: setup $(SYSTEM_DEPS)
 	$(PYTEST_ENV) $(BIN)/pytest -q --durations=20 $(addprefix --ignore=,$(PYTEST_APART) $(PYTEST_SCALE) $(PYTEST_CPU)) --deselect $(KILL_APART) tests
 
 # GRPO_NB_SOLUTIONS=1: each exercise checker runs the shipped solution (notebooks/solutions/)
@@ -144,7 +148,8 @@ ifeq ($(TEST_JOBS),1)
 	@$(MAKE) --no-print-directory pytest nbtest
 else
 	@echo "pytest (in four processes) and the notebooks run side by side; each one's output appears when it ends"
-	@$(MAKE) --no-print-directory -j5 --output-sync=target pytest-apart pytest-scale pytest-cpu pytest-rest nbtest NB_WORKERS=1
+	@$(MAKE) --no-print-directory system-deps
+	@$(MAKE) --no-print-directory -j5 --output-sync=target pytest-apart pytest-scale pytest-cpu pytest-rest nbtest NB_WORKERS=1 SYSTEM_DEPS=
 endif
 
 # Student copies, executed HTML pages + index, one PDF: build/handouts/index.html.
