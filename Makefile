@@ -123,7 +123,7 @@ pytest-rest: setup $(SYSTEM_DEPS)
 	$(PYTEST_ENV) $(BIN)/pytest -q --durations=20 $(addprefix --ignore=,$(PYTEST_APART) $(PYTEST_SCALE) $(PYTEST_CPU)) --deselect $(KILL_APART) tests
 
 # GRPO_NB_NO_WIDGETS=1: notebook 05 draws its slider explorer's figure once instead of opening
-# the widgets, whose cell nbclient at times never saw end (nbclient issue 312; the sliders run in
+# the widgets: nbclient at times never saw the end of that cell (nbclient issue 312; the sliders run in
 # tests/test_browser.py). GRPO_NB_SOLUTIONS=1: each exercise checker runs the shipped solution (notebooks/solutions/)
 # and fails the notebook if it does not pass; `make lab` leaves it unset, so checkers test yours.
 # One compile for both compiled servers: 04's server has the ring's context, so 05's (same model
