@@ -127,7 +127,7 @@ pytest-rest: setup $(SYSTEM_DEPS)
 # tests/test_browser.py). GRPO_NB_SOLUTIONS=1: each exercise checker runs the shipped solution (notebooks/solutions/)
 # and fails the notebook if it does not pass; `make lab` leaves it unset, so checkers test yours.
 # One compile for both compiled servers: 04's server has the ring's context, so 05's (same model
-# folder, same engine settings) loads 04's kernels from the clone's .cache/vllm.
+# folder, same engine settings) loads 04's kernels from inductor's cache (TORCHINDUCTOR_CACHE_DIR).
 nbtest: setup
 	GRPO_NB_SMOKE=1 GRPO_NB_SOLUTIONS=1 GRPO_NB_NO_WIDGETS=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=1200 --durations=0 -n $(NB_WORKERS) --dist loadfile $(NBMAKE_NOTEBOOKS)
 

@@ -138,8 +138,7 @@ def _folder(env: str, in_repo: str, elsewhere: Path) -> Path:
 
 
 def cache_dir() -> Path:
-    """The project cache: tiny models, tokenizers, ``VLLM_CACHE_ROOT`` (vLLM's own compile cache on
-    CUDA; on the CPU it holds model-info files only, the kernels go to inductor's cache)."""
+    """The project cache: tiny models, tokenizers, ``VLLM_CACHE_ROOT`` (compiled kernels: CUDA only)."""
     return _folder("GRPO_NB_CACHE", ".cache", Path.home() / ".cache" / "grpo-nb")
 
 

@@ -402,7 +402,7 @@ def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic
 @pytest.mark.vllm
 @pytest.mark.monarch
 @pytest.mark.slow
-@pytest.mark.timeout(960)  # 300 s seen under make test: past its subprocess's own 900 s limit
+@pytest.mark.timeout(960)  # over 300 s seen under make test; its subprocess's 900 s ends it first
 def test_gpu_check_dry_run_trains_on_monarch_with_the_trainer_in_its_own_process(tmp_path) -> None:
     """``benchmarks/gpu_check.py --dry-run``: the GPU check's path (``train`` on the realistic
     model and data it builds itself) on CPU, here on torchmonarch processes."""

