@@ -306,11 +306,17 @@ def _no_server_left(model: str) -> list[str]:
                           text=True).stdout.split()
 
 
-def _wait_for_checkpoint(cli: subprocess.Popen, state: Path, within_s: float = 900) -> None:
+def _wait_for_checkpoint(cli: subprocess.Popen, stderr: Path, state: Path,
+                         within_s: float = 900) -> None:
+    """Wait for the CLI's first checkpoint. Its stderr goes to a file, not a pipe: nobody reads
+    a pipe while the test waits, and the CLI's progress lines (one every 0.5 s while its server
+    starts) fill a pipe's 64 KiB in a few minutes on a slow machine, after which the CLI blocks
+    on its next write and never reaches a checkpoint."""
     deadline = time.monotonic() + within_s  # a server start takes minutes on a busy CPU
     while not (state.is_file() and json.loads(state.read_text())["step"] >= 1):
-        assert cli.poll() is None, cli.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, f"no checkpoint after {within_s} s"
+        assert cli.poll() is None, stderr.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, (f"no checkpoint after {within_s} s; stderr ends:\n"
+                                             + stderr.read_text(errors="replace")[-3000:])
         time.sleep(0.5)
 
 
@@ -340,12 +346,14 @@ def test_cli_on_a_model_it_did_not_create_survives_sigkill_and_resumes(realistic
              "eval_size=16", "--set", "prompts_per_step=4", "--set", "group_size=4",
              "--set", "max_inflight=8", "--set", "temperature=0.7",
              "--set", "checkpoint_every=1", "--set", "eval_every=1000"]
-    cli = subprocess.Popen([sys.executable, "-m", "grpo_nb", "train", *shape, "--steps", "200",
-                            "--set", "time_budget_s=600"],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    stderr = tmp_path / "first-cli.stderr"
+    with stderr.open("wb") as err:
+        cli = subprocess.Popen([sys.executable, "-m", "grpo_nb", "train", *shape, "--steps",
+                                "200", "--set", "time_budget_s=600"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
     run = tmp_path / "real"
     try:
-        _wait_for_checkpoint(cli, run / "checkpoint" / "trainer_state.json")
+        _wait_for_checkpoint(cli, stderr, run / "checkpoint" / "trainer_state.json")
         ours = owned_by(cli.pid)
         assert ours, "the CLI's server processes were not found"
         api = next(p for p in ours if "--port" in p.cmdline())
