@@ -97,11 +97,12 @@ pytest: setup system-deps
 # the notebooks' lane had ended.
 SYSTEM_DEPS ?= system-deps
 # make test splits the suite in four processes. pytest-apart: the race against TRL (its two
-# grpo_nb contenders on this lane's shared server) and the browser tests; pytest-scale: the
+# grpo_nb contenders on this lane's shared server), the browser tests and test_llm.py's runs on
+# that server (without them pytest-rest ran alone for its last minute); pytest-scale: the
 # files that start their own servers and CLIs (no shared server); pytest-cpu: the files that
 # need no server at all (the tiny model at most); pytest-rest: every other file, on its own
 # shared server (a new test file lands there).
-PYTEST_APART = tests/test_vs_trl.py tests/test_browser.py
+PYTEST_APART = tests/test_vs_trl.py tests/test_browser.py tests/test_llm.py
 PYTEST_SCALE = tests/test_llm_scale.py
 PYTEST_CPU = $(addprefix tests/test_,actors.py actors_seed.py bad_input.py by_hand.py config.py \
   cost.py dashboard.py doctor.py dynamic_sampling.py exercises.py gpu_check.py gpu_path.py \
@@ -126,10 +127,11 @@ pytest-rest: setup $(SYSTEM_DEPS)
 # the widgets: nbclient at times never saw the end of that cell (nbclient issue 312; the sliders run in
 # tests/test_browser.py). GRPO_NB_SOLUTIONS=1: each exercise checker runs the shipped solution (notebooks/solutions/)
 # and fails the notebook if it does not pass; `make lab` leaves it unset, so checkers test yours.
-# GRPO_NB_SERVER_EAGER=1: the notebooks' servers start eager, as the suite's do. Notebook 04's
-# compiled start took 2.5 min of its 3.7 (57 s of it compiling) on a cold inductor cache beside the
-# suite, an eager one 25-40 s; with no compile in make test, a cold machine and a warm one run the
-# same work. The compiled start is what `python -m grpo_nb doctor --workshop` runs for real.
+# GRPO_NB_SERVER_EAGER=1: the notebooks' servers start eager, as the suite's do. Beside the suite
+# on a cold inductor cache, notebook 04's compiled start took 2.5 min (57 s of it compiling), its
+# eager one 1.6 min. With no model compiled in make test (only vLLM's small sampler kernel, once),
+# a cold machine and a warm one run nearly the same work. The compiled start is what
+# `python -m grpo_nb doctor --workshop` runs for real.
 nbtest: setup
 	GRPO_NB_SMOKE=1 GRPO_NB_SOLUTIONS=1 GRPO_NB_NO_WIDGETS=1 GRPO_NB_SERVER_EAGER=1 $(BIN)/pytest -q --nbmake --nbmake-timeout=600 --timeout=1200 --durations=0 -n $(NB_WORKERS) --dist loadfile $(NBMAKE_NOTEBOOKS)
 
