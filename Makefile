@@ -108,9 +108,9 @@ PYTEST_CPU = $(addprefix tests/test_,actors.py actors_seed.py bad_input.py by_ha
   cost.py dashboard.py doctor.py dynamic_sampling.py exercises.py gpu_check.py gpu_path.py \
   gpu_placement.py gpu_report.py grpo.py grpo_loss.py grpo_trl.py grpo_trl_objectives.py \
   handouts.py hang_watch.py live.py logprobs.py loopback_proxy.py make_test_cpu.py metrics.py \
-  monarch_toy.py \
-  objectives.py realistic_model.py recorded.py ring_bounded.py ring_core.py scoring.py setup.py \
-  tasks.py tiny_model.py toy.py toy_ring_objectives.py toy_sweep.py vllm_compat.py)
+  monarch_toy.py objectives.py realistic_model.py recorded.py ring_bounded.py ring_core.py \
+  scoring.py setup.py tasks.py tiny_model.py toy.py toy_ring_objectives.py toy_sweep.py \
+  vllm_compat.py)
 # The suite's two tests that kill a server (tests/conftest.py: server_to_kill) run one in
 # pytest-apart and one in pytest-rest, each ending that process's shared server: no server start
 # of their own.
