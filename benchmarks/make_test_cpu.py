@@ -7,7 +7,8 @@ sample every process on the machine once a second from ``/proc``, and print one 
 
 The JSON holds the wall time, the machine's busy CPU seconds (``/proc/stat``) against the
 seconds its cores had, the busy share per 30 s window, the CPU seconds of the command's own
-process tree, and those of every process seen during the run, summed by kind: a vLLM server's whole tree (API server, engine, workers), pytest
+process tree, how many vLLM servers started, and the CPU seconds of every process seen during
+the run, summed by kind: a vLLM server's whole tree (API server, engine, workers), pytest
 processes, Jupyter kernels, ``grpo_nb train`` CLIs, Chromium, compilers, installers. A process
 is counted once, by what its own ``/proc/PID/stat`` says (its children are counted apart), so
 processes nobody waits for (a killed server's engine) are counted too, which ``time`` misses.
@@ -39,6 +40,7 @@ class Proc:
     cmd: str
     cpu_s: float = 0.0  # CPU seconds since the first sample (the run's, not the process's life)
     base_s: float = 0.0  # what it had used when first seen in the sample before the run
+    before: bool = False  # seen in the sample before the run: it did not start during it
     first: float = field(default_factory=time.time)
 
 
@@ -74,7 +76,8 @@ def sample(seen: dict[tuple[int, int], Proc], *, before_the_run: bool = False) -
             continue
         ppid, start, cpu, cmd = got
         proc = seen.setdefault((int(pid), start),
-                               Proc(int(pid), ppid, cmd, base_s=cpu if before_the_run else 0.0))
+                               Proc(int(pid), ppid, cmd, base_s=cpu if before_the_run else 0.0,
+                                    before=before_the_run))
         proc.cpu_s = cpu - proc.base_s
         proc.cmd = cmd or proc.cmd  # a process that sets its title (VLLM::EngineCore) keeps it
 
@@ -118,7 +121,7 @@ def summarise(seen: list[Proc], busy: list[tuple[float, int, int]], wall_s: floa
     for proc in seen:
         kinds[kind(proc, by_pid)] += proc.cpu_s
     own = sum(p.cpu_s for p in seen if descends_from(p, root, by_pid))
-    servers = sum(1 for p in seen if VLLM_SERVER in p.cmd)
+    servers = sum(1 for p in seen if VLLM_SERVER in p.cmd and not p.before)
     windows = []
     for i in range(0, len(busy) - 1, 30):
         (_, b0, t0), (_, b1, t1) = busy[i], busy[min(i + 30, len(busy) - 1)]

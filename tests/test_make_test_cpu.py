@@ -48,7 +48,8 @@ def test_a_run_reports_its_commands_cpu_and_exit_code(capsys) -> None:
     assert 0.8 <= report["command_tree_cpu_s"] <= 1.5  # its one CPU second, sampled to 0.1 s
     assert report["cpu_s_by_kind"]["other"] >= 0.8
     assert report["busy_cpu_s"] >= 0.8 and 0 < report["busy_frac"] <= 1
-    assert report["wall_s"] >= 1.0 and report["vllm_server_starts"] == 0
+    assert report["wall_s"] >= 1.0  # (other processes on the machine are counted by kind too:
+    # under make test, the other lanes' servers and pytest processes)
     assert all(0 <= w <= 1 for w in report["busy_frac_per_30s"])
 
 
