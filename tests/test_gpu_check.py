@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmark_modules import benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
@@ -161,11 +162,7 @@ def test_the_probe_model_has_qwen3_0_6b_shape() -> None:
     0.6B parameters, 0.44B of them outside the embedding, which the head shares (tied)."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_probe
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    gpu_probe = benchmark("gpu_probe")
     model = gpu_probe.build_model(gpu_probe.QWEN3_06B, torch.device("meta"))
     total = sum(p.numel() for p in model.parameters())
     embedding = model.model.embed_tokens.weight

@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_modules import benchmark
 
 
 def _module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import make_test_cpu
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return make_test_cpu
+    return benchmark("make_test_cpu")
 
 
 def test_a_servers_whole_tree_counts_as_the_server_and_the_rest_by_command() -> None:

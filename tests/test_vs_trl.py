@@ -10,17 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_modules import benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _vs_trl():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import vs_trl
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return vs_trl
+    return benchmark("vs_trl")
 
 
 def test_first_time_interpolates_the_first_crossing() -> None:
