@@ -143,26 +143,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What jupyter_server logs before it exits 1 when the port it was given is taken (it binds with
+# port_retries=0). free_port() releases its port before the server binds it, so on a loaded
+# machine another process (a vLLM server, a health poll's connection) can take it in between.
+PORT_TAKEN = re.compile(r"port \d+ is not available|port \d+ is already in use")
+
+
 class JupyterServer:
     """JupyterLab from this Python environment, on a loopback port with a random token."""
 
     def __init__(self, notebook_dir: Path, log_path: Path, env: dict[str, str] | None = None):
-        self.port, self.token = free_port(), secrets.token_hex(16)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.notebook_dir, self.log_path = notebook_dir, log_path
+        self.env = env or dict(os.environ)
+        self.token = secrets.token_hex(16)
         self.log = open(log_path, "wb")  # noqa: SIM115 — closed in close()
+        self.starts = 0
+        self._family: dict[int, psutil.Process] = {}
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start ``jupyter lab`` on a fresh free port (appending to the same log)."""
+        self.starts += 1
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log.write(f"── start {self.starts} on port {self.port}\n".encode())
+        self.log.flush()
         cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser",
                "--ServerApp.ip=127.0.0.1", "--allow-root", f"--ServerApp.port={self.port}",
                f"--IdentityProvider.token={self.token}", "--ServerApp.port_retries=0",
-               f"--ServerApp.root_dir={notebook_dir}",
+               f"--ServerApp.root_dir={self.notebook_dir}",
                # lets the test read cell state from the page (window.jupyterapp), as Galata does
                "--LabApp.expose_app_in_browser=True",
                "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
                ]  # fmt: skip
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env or dict(os.environ),
-            start_new_session=True,
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
         )  # fmt: skip
-        self._family: dict[int, psutil.Process] = {}
+
+    def log_tail(self, lines: int = 30) -> str:
+        self.log.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(text).replace(self.token, "***")
 
     def api(self, path: str, method: str = "GET") -> bytes:
         req = urllib.request.Request(f"{self.url}{path}", method=method)
@@ -170,19 +191,29 @@ class JupyterServer:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.read()
 
-    def wait_ready(self, timeout_s: float = 120) -> None:
+    def wait_ready(self, timeout_s: float = 120, max_starts: int = 3) -> None:
+        """Wait for ``/api/status``; start again on a new port (up to ``max_starts`` starts in
+        all) when the server exited because its port was taken."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                started_here = self.log_path.read_text(errors="replace").split("── start ")[-1]
+                if PORT_TAKEN.search(started_here) and self.starts < max_starts:
+                    self._spawn()
+                    continue
                 raise RuntimeError(
-                    f"jupyter lab exited with {self.proc.returncode}; see {self.log.name}"
+                    f"jupyter lab exited with {self.proc.returncode} (start {self.starts}); "
+                    f"its log {self.log_path} ends:\n{self.log_tail()}"
                 )
             try:
                 self.api("/api/status")
                 return
             except OSError:
                 time.sleep(0.5)
-        raise TimeoutError(f"jupyter lab not ready after {timeout_s} s; see {self.log.name}")
+        raise TimeoutError(
+            f"jupyter lab not ready after {timeout_s} s; its log {self.log_path} ends:\n"
+            f"{self.log_tail()}"
+        )
 
     def lab_url(self, notebook: str) -> str:
         return f"{self.url}/lab/tree/{notebook}?token={self.token}&reset"

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -369,6 +371,73 @@ def test_same_name_replaces_the_previous_server(fake_server):
     assert not first.is_running() and not first.pids() and second.is_running()
     second.stop()
     assert not second.pids() and second not in serving._LIVE
+
+
+# Answers /health as vLLM's server does, on a port it binds as vLLM does (SO_REUSEADDR, no
+# SO_REUSEPORT) before anything else: a taken port ends it with "[Errno 98] Address already in use".
+HEALTH_HANDLER = """
+import http.server
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+"""
+SERVES_HEALTH = HEALTH_HANDLER + """
+import sys
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+HEALTHY = VLLMServer.healthy  # the real check; fake_server() replaces it
+
+
+@pytest.fixture
+def port_taken_first(fake_server, monkeypatch):
+    """``make(**cfg)``: a server answering /health like vLLM, whose first picked port is taken
+    by another server that answers /health too; yields (make, the taken port)."""
+    scope: dict = {}
+    exec(HEALTH_HANDLER, scope)
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), scope["Health"])
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    taken = other.server_address[1]
+    picked: list[int] = []
+
+    def pick(host):
+        picked.append(taken if not picked else free_port(host))
+        return picked[-1]
+
+    def make(**kw):
+        server = fake_server(**kw)
+        monkeypatch.setattr(serving, "free_port", pick)
+        monkeypatch.setattr(ServerConfig, "command", lambda cfg, port, gpu: [
+            sys.executable, "-c", SERVES_HEALTH, str(port)])
+        monkeypatch.setattr(VLLMServer, "healthy", HEALTHY)
+        return server
+
+    yield make, taken
+    other.shutdown()
+    other.server_close()
+
+
+def test_a_picked_port_taken_before_vllm_binds_it_starts_again_on_another(port_taken_first,
+                                                                          tmp_path):
+    make, taken = port_taken_first
+    server = make().start(progress=False)
+    assert server.port != taken and server.is_running() and server.healthy()
+    logs = {int(p.stem.rsplit("-", 1)[1]): p.read_text() for p in tmp_path.glob("server-*.log")}
+    assert sorted(logs) == sorted([taken, server.port])
+    assert serving.PORT_TAKEN in logs[taken] and serving.PORT_TAKEN not in logs[server.port]
+    assert len(marked_processes([server.server_id])) == 1  # the failed start left nothing
+    server.stop()
+    assert not server.pids()
+
+
+def test_a_configured_port_in_use_fails_once_and_says_so(port_taken_first, tmp_path):
+    make, taken = port_taken_first
+    server = make(port=taken)
+    with pytest.raises(ServerStartError, match=f"port {taken} is in use: ServerConfig.port=0"):
+        server.start(progress=False)
+    assert len(list(tmp_path.glob("server-*.log"))) == 1 and not server.pids()
 
 
 def test_cancelled_start_async_stops_the_server(fake_server):

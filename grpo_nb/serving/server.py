@@ -26,6 +26,10 @@ from grpo_nb.serving.net import auth_headers, env_api_key, free_port, http, is_l
 
 INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"  # unpickles request data: loopback only
 EAGER_ENV = "GRPO_NB_SERVER_EAGER"  # "1": every server starts eager (the test suite sets it)
+# What vLLM logs when its HTTP port is bound already. free_port() releases the port it found, so
+# another process can take it before vLLM binds it (seconds later, on a loaded machine).
+PORT_TAKEN = "Address already in use"
+PORT_STARTS = 3  # starts on fresh ports before a picked port's collisions count as a failure
 
 
 @dataclass
@@ -216,13 +220,15 @@ class VLLMServer:
         return self.proc.poll() is None
 
     def healthy(self) -> bool:
+        """``/health`` answers 200 and, for a server this process started, it is this server
+        that answers (not another that took the port first)."""
         import httpx
 
         try:
             resp = http().get(f"{self.url}/health", headers=auth_headers(self.api_key), timeout=2)
-            return resp.status_code == 200
         except httpx.TransportError:
             return False
+        return resp.status_code == 200 and (not self._owned or self._listens_on_its_port())
 
     def log_tail(self, lines: int = 30) -> str:
         """The log's last ``lines``, with the API key replaced by ``***``."""
@@ -242,7 +248,8 @@ class VLLMServer:
                 raise RuntimeError("server already started or stopped: create a new VLLMServer")
             self.cfg.validate()  # fields may have been set after construction
             self.api_key = self.cfg.api_key
-            for old in [s for s in _LIVE if self.cfg.name and s.cfg.name == self.cfg.name]:
+            for old in [s for s in _LIVE if self.cfg.name and s.cfg.name == self.cfg.name
+                        and s is not self]:
                 print(f"stopping the previous server named {self.cfg.name!r} ({old.url})")
                 old.stop()
             gpu = self.cfg.on_gpu()
@@ -269,6 +276,37 @@ class VLLMServer:
                     os.sched_setaffinity(0, mask)
             self.watchdog = processes.start_watchdog(self.proc.pid, self.server_id)
 
+    def _listens_on_its_port(self) -> bool:
+        """Whether one of this server's processes listens on :attr:`port`: what answers there
+        may be another process that took the port first (another vLLM answers /health too)."""
+        import psutil
+
+        from grpo_nb.serving import processes
+
+        for proc in processes.marked_processes([self.server_id]):
+            with contextlib.suppress(psutil.Error):
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port
+                       for c in proc.net_connections("tcp")):
+                    return True
+        return False
+
+    def _port_was_taken(self) -> bool:
+        """Whether the exited server failed because its picked port was bound meanwhile."""
+        return (not self.cfg.port and self.log_path is not None
+                and PORT_TAKEN in self.log_path.read_text(errors="replace"))
+
+    def _respawn_on_a_new_port(self) -> None:
+        """End what is left of the exited start and spawn again on a fresh port."""
+        from grpo_nb.serving import processes
+
+        with self._lock:
+            processes.end_processes(processes.marked_processes([self.server_id]), None, 5)
+            if self.watchdog is not None:
+                self.watchdog.kill()
+                self.watchdog.wait(timeout=5)
+            self.proc = self.watchdog = None
+        self._spawn()
+
     def start(self, *, progress: bool = True) -> VLLMServer:
         """Spawn the server and wait for ``/health``; raises :class:`ServerStartError` (with the
         log's tail) when it exits, is stopped or times out first."""
@@ -276,6 +314,7 @@ class VLLMServer:
 
         try:
             self._spawn()
+            starts = 1
             t0 = time.perf_counter()
             with tqdm(total=None, desc=f"vLLM :{self.port}", disable=not progress,
                       bar_format="{desc} {elapsed} {postfix}", leave=False) as bar:
@@ -284,9 +323,18 @@ class VLLMServer:
                     if self._stopped:
                         raise ServerStartError(f"stopped while starting ({elapsed:.0f} s)")
                     if self.proc.poll() is not None:
+                        if self._port_was_taken() and starts < PORT_STARTS:
+                            bar.write(f"port {self.port} was taken before vLLM bound it: "
+                                      "starting again on another")
+                            self._respawn_on_a_new_port()
+                            bar.set_description_str(f"vLLM :{self.port}")
+                            starts += 1
+                            continue
+                        taken = (f" (port {self.port} is in use: ServerConfig.port=0 picks a free "
+                                 "one)" if self.cfg.port and PORT_TAKEN in self.log_tail() else "")
                         raise ServerStartError(
-                            f"vLLM exited with code {self.proc.returncode} after {elapsed:.0f} s; "
-                            f"log {self.log_path}:\n{self.log_tail()}")
+                            f"vLLM exited with code {self.proc.returncode} after {elapsed:.0f} s"
+                            f"{taken}; log {self.log_path}:\n{self.log_tail()}")
                     if elapsed > self.cfg.startup_timeout:
                         raise ServerStartError(
                             f"vLLM not healthy after {self.cfg.startup_timeout:.0f} s (ServerConfig"
