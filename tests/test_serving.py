@@ -440,6 +440,19 @@ def test_a_configured_port_in_use_fails_once_and_says_so(port_taken_first, tmp_p
     assert len(list(tmp_path.glob("server-*.log"))) == 1 and not server.pids()
 
 
+def test_start_progress_into_a_file_is_not_a_line_every_tick(fake_server, monkeypatch, capsys):
+    """Into a pipe or a log (here pytest's capture: not a terminal) the start's ticker writes
+    a line each PLAIN_TICK_S, not each 0.5 s: an unread pipe must not fill during a start."""
+    server = fake_server()
+    ready_at = time.monotonic() + 4
+    monkeypatch.setattr(VLLMServer, "healthy", lambda self: time.monotonic() > ready_at)
+    server.start(progress=True)
+    server.stop()
+    err = capsys.readouterr().err
+    writes = err.count(f"vLLM :{server.port}")
+    assert 1 <= writes <= 3, repr(err)  # shown, its first status, cleared; not 8 ticks
+
+
 def test_cancelled_start_async_stops_the_server(fake_server):
     server = fake_server(healthy=False)
 

@@ -29,7 +29,8 @@ EAGER_ENV = "GRPO_NB_SERVER_EAGER"  # "1": every server starts eager (the test s
 # What vLLM logs when its HTTP port is bound already. free_port() releases the port it found, so
 # another process can take it before vLLM binds it (seconds later, on a loaded machine).
 PORT_TAKEN = "Address already in use"
-PORT_STARTS = 3  # starts on fresh ports before a picked port's collisions count as a failure
+PORT_STARTS = 3  # starts on fresh ports before a picked port's collision counts as a failure
+PLAIN_TICK_S = 30.0  # seconds between start-progress lines when stderr is a file or a pipe
 
 
 @dataclass
@@ -318,6 +319,9 @@ class VLLMServer:
             t0 = time.perf_counter()
             with tqdm(total=None, desc=f"vLLM :{self.port}", disable=not progress,
                       bar_format="{desc} {elapsed} {postfix}", leave=False) as bar:
+                # a terminal or a notebook redraws one line; a log file or pipe gets a line a tick
+                live = sys.stderr.isatty() or type(bar).__module__ == "tqdm.notebook"
+                every, shown = (0.5 if live else PLAIN_TICK_S), 0.0
                 while not self.healthy():
                     elapsed = time.perf_counter() - t0
                     if self._stopped:
@@ -339,7 +343,9 @@ class VLLMServer:
                         raise ServerStartError(
                             f"vLLM not healthy after {self.cfg.startup_timeout:.0f} s (ServerConfig"
                             f".startup_timeout); log {self.log_path}:\n{self.log_tail()}")
-                    bar.set_postfix_str(self.log_tail(1)[-120:])
+                    if time.perf_counter() - shown >= every:
+                        bar.set_postfix_str(self.log_tail(1)[-120:])
+                        shown = time.perf_counter()
                     time.sleep(0.5)
             self.startup_seconds = round(time.perf_counter() - t0, 1)
         except BaseException:  # includes KeyboardInterrupt: never leave a half-started server
