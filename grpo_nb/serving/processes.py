@@ -83,6 +83,17 @@ def marked_processes(server_ids: Iterable[str]) -> list[psutil.Process]:
     return [p for p, sid, _ in _marked() if sid in ids]
 
 
+def listening_on(server_id: str, port: int) -> bool:
+    """Whether a process of server ``server_id`` listens on TCP ``port`` (what answers there
+    may be another process that took the port first: another vLLM answers /health too)."""
+    for proc in marked_processes([server_id]):
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in proc.net_connections("tcp")):
+                return True
+    return False
+
+
 def owned_by(pid: int) -> list[psutil.Process]:
     """The processes of every server started by process ``pid``."""
     return [p for p, _, owner in _marked() if owner == str(pid)]

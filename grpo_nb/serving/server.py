@@ -229,7 +229,10 @@ class VLLMServer:
             resp = http().get(f"{self.url}/health", headers=auth_headers(self.api_key), timeout=2)
         except httpx.TransportError:
             return False
-        return resp.status_code == 200 and (not self._owned or self._listens_on_its_port())
+        from grpo_nb.serving.processes import listening_on
+
+        return resp.status_code == 200 and (not self._owned or listening_on(self.server_id,
+                                                                            self.port))
 
     def log_tail(self, lines: int = 30) -> str:
         """The log's last ``lines``, with the API key replaced by ``***``."""
@@ -276,20 +279,6 @@ class VLLMServer:
                 finally:
                     os.sched_setaffinity(0, mask)
             self.watchdog = processes.start_watchdog(self.proc.pid, self.server_id)
-
-    def _listens_on_its_port(self) -> bool:
-        """Whether one of this server's processes listens on :attr:`port`: what answers there
-        may be another process that took the port first (another vLLM answers /health too)."""
-        import psutil
-
-        from grpo_nb.serving import processes
-
-        for proc in processes.marked_processes([self.server_id]):
-            with contextlib.suppress(psutil.Error):
-                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port
-                       for c in proc.net_connections("tcp")):
-                    return True
-        return False
 
     def _port_was_taken(self) -> bool:
         """Whether the exited server failed because its picked port was bound meanwhile."""
