@@ -97,12 +97,13 @@ pytest: setup system-deps
 # the notebooks' lane had ended.
 SYSTEM_DEPS ?= system-deps
 # make test splits the suite in four processes. pytest-apart: the race against TRL (its two
-# grpo_nb contenders on this lane's shared server), the browser tests and test_llm.py's runs on
-# that server (without them pytest-rest ran alone for its last minute); pytest-scale: the
-# files that start their own servers and CLIs (no shared server); pytest-cpu: the files that
-# need no server at all (the tiny model at most); pytest-rest: every other file, on its own
-# shared server (a new test file lands there).
-PYTEST_APART = tests/test_vs_trl.py tests/test_browser.py tests/test_llm.py
+# grpo_nb contenders on this lane's shared server), the browser tests and their JupyterLab
+# server's own, and test_llm.py's runs on that server (without them pytest-rest ran alone for
+# its last minute); pytest-scale: the files that start their own servers and CLIs (no shared
+# server); pytest-cpu: the files that need no server at all (the tiny model at most);
+# pytest-rest: every other file, on its own shared server (a new test file lands there).
+PYTEST_APART = tests/test_vs_trl.py tests/test_browser.py tests/test_jupyter_server.py \
+  tests/test_llm.py
 PYTEST_SCALE = tests/test_llm_scale.py
 PYTEST_CPU = $(addprefix tests/test_,actors.py actors_seed.py bad_input.py by_hand.py config.py \
   cost.py dashboard.py doctor.py dynamic_sampling.py exercises.py gpu_check.py gpu_path.py \
