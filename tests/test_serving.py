@@ -453,6 +453,29 @@ def test_start_progress_into_a_file_is_not_a_line_every_tick(fake_server, monkey
     assert 1 <= writes <= 3, repr(err)  # shown, its first status, cleared; not 8 ticks
 
 
+def test_start_progress_in_a_notebook_redraws_every_tick(fake_server, monkeypatch):
+    """In a notebook (tqdm.auto's bar there: a tqdm.notebook widget, whose stderr is no
+    terminal) the start's status still updates each 0.5 s."""
+    import tqdm.auto
+    from tqdm.asyncio import tqdm_asyncio
+    from tqdm.notebook import tqdm_notebook
+
+    statuses: list[str] = []
+
+    class NotebookBar(tqdm_notebook, tqdm_asyncio):  # what tqdm.auto builds in a kernel
+        def set_postfix_str(self, s="", refresh=True):
+            statuses.append(s)
+            super().set_postfix_str(s, refresh)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", NotebookBar)
+    server = fake_server()
+    ready_at = time.monotonic() + 3
+    monkeypatch.setattr(VLLMServer, "healthy", lambda self: time.monotonic() > ready_at)
+    server.start(progress=True)
+    server.stop()
+    assert len(statuses) >= 4, statuses
+
+
 def test_cancelled_start_async_stops_the_server(fake_server):
     server = fake_server(healthy=False)
 

@@ -309,7 +309,8 @@ class VLLMServer:
             with tqdm(total=None, desc=f"vLLM :{self.port}", disable=not progress,
                       bar_format="{desc} {elapsed} {postfix}", leave=False) as bar:
                 # a terminal or a notebook redraws one line; a log file or pipe gets a line a tick
-                live = sys.stderr.isatty() or type(bar).__module__ == "tqdm.notebook"
+                live = sys.stderr.isatty() or any(c.__module__ == "tqdm.notebook"
+                                                  for c in type(bar).__mro__)  # tqdm.auto's
                 every, shown = (0.5 if live else PLAIN_TICK_S), 0.0
                 while not self.healthy():
                     elapsed = time.perf_counter() - t0
