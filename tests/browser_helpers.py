@@ -19,7 +19,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from typing import Any
 
 import nbformat
 import psutil
+
+from grpo_nb.serving.net import free_port
 
 FIXTURE_SOLUTION = "return 2 * x  # the fixture's secret solution"
 
@@ -135,12 +136,6 @@ def offline_typeset(html_path: Path, wait_s: float = 15.0) -> dict[str, Any]:
         text = "\n".join(prose) if prose else page.locator("body").inner_text()
     return {"loaded": loaded, "typeset": typeset, "errors": errors,
             "raw_tex": sorted(set(RAW_TEX.findall(text))), "blocked": blocked}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # What jupyter_server logs before it exits 1 when the port it was given is taken (it binds with

@@ -281,19 +281,14 @@ class VLLMServer:
             self.watchdog = processes.start_watchdog(self.proc.pid, self.server_id)
 
     def _port_was_taken(self) -> bool:
-        """Whether the exited server failed because its picked port was bound meanwhile."""
-        return (not self.cfg.port and self.log_path is not None
-                and PORT_TAKEN in self.log_path.read_text(errors="replace"))
+        """Whether the exited server failed because its port was bound already."""
+        return self.log_path is not None and PORT_TAKEN in self.log_path.read_text(
+            errors="replace")
 
     def _respawn_on_a_new_port(self) -> None:
         """End what is left of the exited start and spawn again on a fresh port."""
-        from grpo_nb.serving import processes
-
         with self._lock:
-            processes.end_processes(processes.marked_processes([self.server_id]), None, 5)
-            if self.watchdog is not None:
-                self.watchdog.kill()
-                self.watchdog.wait(timeout=5)
+            self._end_tree(timeout=5)
             self.proc = self.watchdog = None
         self._spawn()
 
@@ -317,18 +312,19 @@ class VLLMServer:
                     if self._stopped:
                         raise ServerStartError(f"stopped while starting ({elapsed:.0f} s)")
                     if self.proc.poll() is not None:
-                        if self._port_was_taken() and starts < PORT_STARTS:
+                        taken = self._port_was_taken()
+                        if taken and not self.cfg.port and starts < PORT_STARTS:
                             bar.write(f"port {self.port} was taken before vLLM bound it: "
                                       "starting again on another")
                             self._respawn_on_a_new_port()
                             bar.set_description_str(f"vLLM :{self.port}")
                             starts += 1
                             continue
-                        taken = (f" (port {self.port} is in use: ServerConfig.port=0 picks a free "
-                                 "one)" if self.cfg.port and PORT_TAKEN in self.log_tail() else "")
+                        hint = (f" (port {self.port} is in use: ServerConfig.port=0 picks a free "
+                                "one)" if taken and self.cfg.port else "")
                         raise ServerStartError(
                             f"vLLM exited with code {self.proc.returncode} after {elapsed:.0f} s"
-                            f"{taken}; log {self.log_path}:\n{self.log_tail()}")
+                            f"{hint}; log {self.log_path}:\n{self.log_tail()}")
                     if elapsed > self.cfg.startup_timeout:
                         raise ServerStartError(
                             f"vLLM not healthy after {self.cfg.startup_timeout:.0f} s (ServerConfig"
@@ -359,21 +355,25 @@ class VLLMServer:
 
     def stop(self, timeout: float = 20.0) -> None:
         """End the whole process tree: SIGTERM the group, wait, then SIGKILL what is left."""
-        from grpo_nb.serving import processes
-
         with self._lock:
             self._stopped = True
-            if self._owned and self.proc is not None:
-                processes.end_processes(processes.marked_processes([self.server_id]),
-                                        self.proc.pid, timeout)
-                # a child forked while the group was signalled got SIGTERM but no wait: wait now
-                processes.end_processes(processes.marked_processes([self.server_id]), None, 5)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=5)
-            if self.watchdog is not None:
-                self.watchdog.kill()
-                self.watchdog.wait()
+            self._end_tree(timeout)
             _LIVE.discard(self)
+
+    def _end_tree(self, timeout: float) -> None:
+        """End the server's processes and its watchdog (the caller holds the lock)."""
+        from grpo_nb.serving import processes
+
+        if self._owned and self.proc is not None:
+            processes.end_processes(processes.marked_processes([self.server_id]),
+                                    self.proc.pid, timeout)
+            # a child forked while the group was signalled got SIGTERM but no wait: wait now
+            processes.end_processes(processes.marked_processes([self.server_id]), None, 5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+        if self.watchdog is not None:
+            self.watchdog.kill()
+            self.watchdog.wait()
 
     def __enter__(self) -> VLLMServer:
         if self._owned and self.proc is None:
