@@ -100,7 +100,7 @@ class FakeVLLM:
 
     def __init__(self, *, model: str = "m", api_key: str | None = None,
                  sampler: Sampler = one_sample_each, decode_s: float = 0.0,
-                 burst: int = 1) -> None:
+                 burst: int = 1, port: int = 0) -> None:
         self.model_name, self.api_key = model, api_key
         self.sampler, self.decode_s, self.burst = sampler, decode_s, burst
         self.answer: Callable[[Request], tuple[int, Any] | None] = lambda request: None
@@ -137,7 +137,9 @@ class FakeVLLM:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        # binds as vLLM's server does (SO_REUSEADDR, no SO_REUSEPORT): a taken ``port`` raises
+        # "[Errno 98] Address already in use"; 0: a free one
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()

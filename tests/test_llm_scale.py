@@ -309,9 +309,8 @@ def _no_server_left(model: str) -> list[str]:
 def _wait_for_checkpoint(cli: subprocess.Popen, stderr: Path, state: Path,
                          within_s: float = 900) -> None:
     """Wait for the CLI's first checkpoint. Its stderr goes to a file, not a pipe: nobody reads
-    a pipe while the test waits, and the CLI's progress lines (one every 0.5 s while its server
-    starts) fill a pipe's 64 KiB in a few minutes on a slow machine, after which the CLI blocks
-    on its next write and never reaches a checkpoint."""
+    a pipe while the test waits, and a CLI whose pipe is full (64 KiB of progress lines on a
+    slow machine) blocks on its next write and never reaches a checkpoint."""
     deadline = time.monotonic() + within_s  # a server start takes minutes on a busy CPU
     while not (state.is_file() and json.loads(state.read_text())["step"] >= 1):
         assert cli.poll() is None, stderr.read_text(errors="replace")[-3000:]

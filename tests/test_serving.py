@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import http.server
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -373,50 +372,32 @@ def test_same_name_replaces_the_previous_server(fake_server):
     assert not second.pids() and second not in serving._LIVE
 
 
-# Answers /health as vLLM's server does, on a port it binds as vLLM does (SO_REUSEADDR, no
-# SO_REUSEPORT) before anything else: a taken port ends it with "[Errno 98] Address already in use".
-HEALTH_HANDLER = """
-import http.server
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *args):
-        pass
-"""
-SERVES_HEALTH = HEALTH_HANDLER + """
-import sys
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
-"""
+# The tests' fake vLLM in a process of its own, on the port it is given (binding it as vLLM does).
+FAKE_VLLM_ON_PORT = ("import sys, time; sys.path.insert(0, sys.argv[1]); "
+                     "from fake_vllm import FakeVLLM; FakeVLLM(port=int(sys.argv[2])); "
+                     "time.sleep(300)")
 HEALTHY = VLLMServer.healthy  # the real check; fake_server() replaces it
 
 
 @pytest.fixture
-def port_taken_first(fake_server, monkeypatch):
+def port_taken_first(fake_server, fake_vllm, monkeypatch):
     """``make(**cfg)``: a server answering /health like vLLM, whose first picked port is taken
-    by another server that answers /health too; yields (make, the taken port)."""
-    scope: dict = {}
-    exec(HEALTH_HANDLER, scope)
-    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), scope["Health"])
-    threading.Thread(target=other.serve_forever, daemon=True).start()
-    taken = other.server_address[1]
+    by another (the fake vLLM, which answers /health too); yields (make, the taken port)."""
     picked: list[int] = []
 
     def pick(host):
-        picked.append(taken if not picked else free_port(host))
+        picked.append(fake_vllm.port if not picked else free_port(host))
         return picked[-1]
 
     def make(**kw):
         server = fake_server(**kw)
         monkeypatch.setattr(serving, "free_port", pick)
         monkeypatch.setattr(ServerConfig, "command", lambda cfg, port, gpu: [
-            sys.executable, "-c", SERVES_HEALTH, str(port)])
+            sys.executable, "-c", FAKE_VLLM_ON_PORT, str(Path(__file__).parent), str(port)])
         monkeypatch.setattr(VLLMServer, "healthy", HEALTHY)
         return server
 
-    yield make, taken
-    other.shutdown()
-    other.server_close()
+    return make, fake_vllm.port
 
 
 def test_a_picked_port_taken_before_vllm_binds_it_starts_again_on_another(port_taken_first,
