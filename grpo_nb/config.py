@@ -7,13 +7,15 @@ from ``--set FIELD=VALUE`` by it (:func:`parse_sets`).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import time
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -34,6 +36,33 @@ class InputError(ValueError):
     """Bad input the user fixes (a dataset file, a run folder): the message names the file, the
     line or field, and what was expected. ``python -m grpo_nb train`` prints it as one
     ``error:`` line and exits 2; it is raised before any server starts."""
+
+
+def utf8_text(path: Path) -> str:
+    """``path``'s text, or ``ValueError("line N: not UTF-8 text (byte B)")``."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise ValueError(f"line {line}: not UTF-8 text (byte {err.start})") from None
+
+
+def json_where(err: json.JSONDecodeError) -> str:
+    """Where a text stops being JSON, as the errors about a file name it."""
+    return f"line {err.lineno} column {err.colno}: {err.msg}"
+
+
+def json_lines(text: str) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line of JSON Lines ``text``; a line that is not
+    JSON raises ``json.JSONDecodeError`` placed in the whole text (its ``lineno``: the file's)."""
+    start = 0
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise json.JSONDecodeError(err.msg, text, start + err.pos) from None
+        start += len(line) + 1
 
 
 def env_flag(name: str) -> bool:
@@ -118,6 +147,14 @@ def parse_sets(cls: type, assignments: Iterable[str]) -> dict[str, Any]:
             raise ValueError(f"--set {name}={raw!r}: {owner.__name__}.{head} {_why(err)}") \
                 from None
     return values
+
+
+def given_fields(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The options given (not None) whose ``dest`` is a field of the config class ``cls``, or
+    ``SUB.FIELD``: a field of its config-typed field ``SUB`` (``--transport``: sync.transport)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(args).items()
+            if v is not None and k.partition(".")[0] in names}
 
 
 def repo_root() -> Path | None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import io
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -169,6 +170,33 @@ class LivePlot:
     def close(self, rec: MetricsRecorder) -> None:
         """Draw the final frame (the one the saved notebook keeps)."""
         self.update(rec, force=True)
+
+
+class StepBar:
+    """The commands' tqdm bar of trainer steps on stderr, made at its first use (bad input shows
+    none): :meth:`step` moves it to a step row and shows its ``shown`` fields (name: format)."""
+
+    def __init__(self, total: int, desc: str, **shown: str) -> None:
+        self.total, self.desc, self.shown, self.bar = total, desc, shown, None
+
+    def write(self, text: str = "") -> Any:
+        from tqdm.auto import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, desc=self.desc, unit="step", file=sys.stderr)
+        if text:
+            self.bar.write(text)
+        return self.bar
+
+    def step(self, row: dict[str, Any]) -> None:
+        bar = self.write()
+        bar.set_postfix({k: format(row.get(k, 0), f) for k, f in self.shown.items()},
+                        refresh=False)
+        bar.update(row["step"] - bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def save_figure(rec: MetricsRecorder, path: Path | str, *,

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from grpo_nb.config import runs_dir
+from grpo_nb.config import json_lines, runs_dir
 
 
 def _jsonable(value: Any) -> Any:
@@ -84,18 +84,15 @@ class MetricsRecorder:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                # A run killed mid-write leaves a torn last line; anything else is corruption.
-                if fh.readline() == "":
-                    break
-                raise ValueError(f"{path}:{line_no}: not JSON ({err})") from err
+    text, rows = path.read_text(encoding="utf-8"), []
+    try:
+        for _, row in json_lines(text):
+            rows.append(row)
+    except json.JSONDecodeError as err:
+        # A run killed mid-write leaves a torn last line; anything else is corruption.
+        if "\n" in text[err.pos:].removesuffix("\n"):
+            raise ValueError(f"{path}:{err.lineno}: not JSON ({err.msg}, column {err.colno})"
+                             ) from None
     return rows
 
 

@@ -14,7 +14,15 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from grpo_nb.config import InputError, parse_sets, preset, smoke_mode
+from grpo_nb.config import (
+    InputError,
+    given_fields,
+    json_where,
+    parse_sets,
+    preset,
+    smoke_mode,
+    utf8_text,
+)
 from grpo_nb.llm.config import LLMConfig
 from grpo_nb.metrics import MetricsRecorder
 
@@ -54,10 +62,8 @@ def _configure(parser: argparse.ArgumentParser, args: argparse.Namespace,
                cfg: LLMConfig) -> LLMConfig:
     """``cfg`` with each flag given whose ``dest`` is a field (or ``sync.FIELD``), then the
     ``--set`` ones, resolved (:meth:`LLMConfig.resolve`); a bad value exits with the usage."""
-    flags = {k: v for k, v in vars(args).items()
-             if v is not None and (k in _FIELDS or k.startswith("sync."))}
     try:
-        return apply_sets(cfg, args.set, flags).resolve()
+        return apply_sets(cfg, args.set, given_fields(args, LLMConfig)).resolve()
     except ValueError as err:
         parser.error(str(err))
 
@@ -105,10 +111,9 @@ def resumed_config(folder: Path) -> LLMConfig:
     if not path.is_file():
         raise InputError(f"--resume {folder}: no config.json in it; {RUN_FOLDER}")
     try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        where = f"line {err.lineno} column {err.colno}: {err.msg}" \
-            if isinstance(err, json.JSONDecodeError) else "not UTF-8 text"
+        values = json.loads(utf8_text(path))
+    except ValueError as err:  # not UTF-8 or not JSON
+        where = json_where(err) if isinstance(err, json.JSONDecodeError) else err
         raise InputError(f"--resume {folder}: {path}, {where}; expected the JSON object of "
                          "LLMConfig fields that `train` wrote there") from None
     if not isinstance(values, dict):
@@ -131,28 +136,20 @@ def resumed_config(folder: Path) -> LLMConfig:
 def cli(argv: list[str]) -> int:
     """``train``: run, show progress on stderr, save the dashboard PNG, print the JSON summary
     last."""
-    from tqdm.auto import tqdm
-
+    from grpo_nb.live import StepBar
     from grpo_nb.llm.dashboard import save_dashboard
     from grpo_nb.llm.run import RunAborted, train
     from grpo_nb.serving.server import VLLMServer
 
     args, cfg, smoke = parse_config(argv)
-    bars: list[Any] = []  # the progress bar, made at the first event: bad input prints none
-
-    def bar() -> Any:
-        if not bars:
-            bars.append(tqdm(total=cfg.steps, desc=f"GRPO {cfg.mode}", unit="step"))
-        return bars[0]
+    bar = StepBar(cfg.steps, f"GRPO {cfg.mode}", reward=".2f", dropped="")
 
     def on_event(kind: str, rec: MetricsRecorder) -> None:
         if kind == "step":
-            row = rec.rows("step")[-1]
-            bar().n = row["step"]
-            bar().set_postfix(reward=f"{row['reward']:.2f}", dropped=row.get("dropped", 0))
+            bar.step(rec.rows("step")[-1])
         elif kind == "eval":
             row = rec.rows("eval")[-1]
-            bar().write(f"step {row['step']}: test accuracy {row['accuracy']:.3f}")
+            bar.write(f"step {row['step']}: test accuracy {row['accuracy']:.3f}")
 
     try:
         server = VLLMServer.attach(args.attach) if args.attach else None
@@ -165,8 +162,7 @@ def cli(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
-        for b in bars:
-            b.close()
+        bar.close()
     print(f"dashboard: {save_dashboard(result.run_dir)}", file=sys.stderr)
     print(json.dumps(json.loads((Path(result.run_dir) / "result.json").read_text())))
     return 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpo_nb.config import InputError
+from grpo_nb.config import InputError, json_lines, json_where, utf8_text
 
 JSON_EXPECTED = ('JSON Lines: one object per line, e.g. {"question": "…", "answer": "… #### 42"}'
                  ', or a JSON list of such objects')
@@ -25,33 +25,26 @@ def json_problem(path: Path) -> str | None:
     """Where ``path`` stops being JSON Lines (or, for ``.json``, a JSON list of objects), as
     ``"line N column C: …"``; None when every row is an object."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        line = path.read_bytes()[:err.start].count(b"\n") + 1
-        return f"line {line}: not UTF-8 text (byte {err.start})"
-    if path.suffix.lower() == ".json":
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as err:
-            if err.msg != "Extra data":  # "Extra data": a value, then more: read it as JSON Lines
-                return f"line {err.lineno} column {err.colno}: {err.msg}"
-        else:
-            rows = doc if isinstance(doc, list) else [doc]
-            bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-            if bad is None:
-                return None
-            where = f"item {bad} of the top-level list" if isinstance(doc, list) else "top level"
-            return f"{where}: {_kind(rows[bad])}, not a row object"
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            return f"line {number} column {err.colno}: {err.msg}"
-        if not isinstance(row, dict):
-            return f"line {number}: {_kind(row)}, not a row object"
-    return None
+        text = utf8_text(path)
+        if path.suffix.lower() == ".json":
+            try:
+                doc = json.loads(text)
+            except json.JSONDecodeError as err:
+                if err.msg != "Extra data":  # a value, then more: read it as JSON Lines
+                    raise
+            else:
+                rows = doc if isinstance(doc, list) else [doc]
+                bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+                if bad is None:
+                    return None
+                where = f"item {bad} of the top-level list" if isinstance(doc, list) else "top level"
+                return f"{where}: {_kind(rows[bad])}, not a row object"
+        return next((f"line {number}: {_kind(row)}, not a row object"
+                     for number, row in json_lines(text) if not isinstance(row, dict)), None)
+    except json.JSONDecodeError as err:
+        return json_where(err)
+    except ValueError as err:  # not UTF-8
+        return str(err)
 
 
 def check_data_file(path: Path) -> None:

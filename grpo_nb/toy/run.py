@@ -24,11 +24,10 @@ from dataclasses import asdict, dataclass, replace
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
-from tqdm.auto import tqdm
 
 from grpo_nb.actors import MONARCH_MISSING, monarch_available
-from grpo_nb.config import parse_sets, preset, unique_run_name
-from grpo_nb.live import save_figure
+from grpo_nb.config import given_fields, parse_sets, preset, unique_run_name
+from grpo_nb.live import StepBar, save_figure
 from grpo_nb.metrics import MetricsRecorder
 from grpo_nb.partition import torch_settings
 from grpo_nb.ring import Controller, Event
@@ -216,12 +215,9 @@ def cli(argv: list[str]) -> int:
                         help="any ToyConfig field (repeatable), e.g. --set lr=0.05; last wins")
     args = parser.parse_args(argv)
 
-    cfg = preset(ToyConfig, args.smoke or None)
-    overrides = {"steps": args.steps, "generators": args.generators, "kl_coef": args.kl_coef}
     try:
-        cfg = replace(cfg, **{"seed": args.seed, "backend": args.backend,
-                              **{k: v for k, v in overrides.items() if v is not None},
-                              **parse_sets(ToyConfig, args.set)})
+        cfg = replace(preset(ToyConfig, args.smoke or None), **{
+            **given_fields(args, ToyConfig), **parse_sets(ToyConfig, args.set)})
     except ValueError as err:
         parser.error(str(err))
     if cfg.backend == "monarch" and not monarch_available():
@@ -230,15 +226,9 @@ def cli(argv: list[str]) -> int:
 
     rec = MetricsRecorder.for_run(args.name or unique_run_name(f"toy-{cfg.backend}"))
     (rec.run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    bar = tqdm(total=cfg.steps, desc=f"toy ring ({cfg.backend})", unit="step", file=sys.stderr)
-
-    def progress(r: MetricsRecorder) -> None:
-        row = r.rows("step")[-1]
-        bar.update(1)
-        bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{row['kl']:.3f}", refresh=False)
-
+    bar = StepBar(cfg.steps, f"toy ring ({cfg.backend})", reward=".2f", kl=".3f")
     try:
-        result = asyncio.run(run_ring(cfg, rec, progress))
+        result = asyncio.run(run_ring(cfg, rec, lambda r: bar.step(r.rows("step")[-1])))
     finally:
         bar.close()
         rec.close()
