@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from grpo_nb.tasks.rewards import WeightedReward, make_reward
@@ -118,20 +118,27 @@ class BoundedReward:
         return reply
 
     async def _in_thread(self, text: str, answer: str) -> float | None:
-        done: concurrent.futures.Future[float] = concurrent.futures.Future()
-        done.set_running_or_notify_cancel()  # so a timeout cannot cancel it under the thread
-
-        def run() -> None:
-            try:
-                done.set_result(self.reward(text, answer))
-            except Exception as err:
-                done.set_exception(err)
-
-        threading.Thread(target=run, name="grpo-reward", daemon=True).start()
+        done = on_thread(lambda: self.reward(text, answer), "grpo-reward")
         try:  # wrap_future drops the result of a thread that ends after the loop closed
             return float(await asyncio.wait_for(asyncio.wrap_future(done), self.timeout_s))
         except TimeoutError:
             return None
+
+
+def on_thread(fn: Callable[[], Any], name: str) -> concurrent.futures.Future:
+    """``fn()`` on a daemon thread of its own; its Future is running from the start, so a
+    waiter's timeout or cancel cannot cancel it under the thread (the thread runs on)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            done.set_result(fn())
+        except Exception as err:  # handed to the waiter
+            done.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
 
 
 def serve() -> None:
