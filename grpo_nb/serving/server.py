@@ -280,18 +280,6 @@ class VLLMServer:
                     os.sched_setaffinity(0, mask)
             self.watchdog = processes.start_watchdog(self.proc.pid, self.server_id)
 
-    def _port_was_taken(self) -> bool:
-        """Whether the exited server failed because its port was bound already."""
-        return self.log_path is not None and PORT_TAKEN in self.log_path.read_text(
-            errors="replace")
-
-    def _respawn_on_a_new_port(self) -> None:
-        """End what is left of the exited start and spawn again on a fresh port."""
-        with self._lock:
-            self._end_tree(timeout=5)
-            self.proc = self.watchdog = None
-        self._spawn()
-
     def start(self, *, progress: bool = True) -> VLLMServer:
         """Spawn the server and wait for ``/health``; raises :class:`ServerStartError` (with the
         log's tail) when it exits, is stopped or times out first."""
@@ -312,11 +300,14 @@ class VLLMServer:
                     if self._stopped:
                         raise ServerStartError(f"stopped while starting ({elapsed:.0f} s)")
                     if self.proc.poll() is not None:
-                        taken = self._port_was_taken()
+                        taken = PORT_TAKEN in self.log_path.read_text(errors="replace")
                         if taken and not self.cfg.port and starts < PORT_STARTS:
                             bar.write(f"port {self.port} was taken before vLLM bound it: "
                                       "starting again on another")
-                            self._respawn_on_a_new_port()
+                            with self._lock:  # what is left of this start, then a fresh port
+                                self._end_tree(timeout=5)
+                                self.proc = self.watchdog = None
+                            self._spawn()
                             bar.set_description_str(f"vLLM :{self.port}")
                             starts += 1
                             continue
